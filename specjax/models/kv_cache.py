@@ -1,0 +1,94 @@
+"""Key/value cache laid out for speculative decoding.
+
+Layout: ``k, v: [layers, slots, max_len, kv_heads, head_dim]`` plus ``lengths: int32 [slots]``.
+
+* A row ("slot") owns one sequence. ``lengths[s]`` is the number of *committed* positions of slot s:
+  positions ``0 .. lengths[s]-1`` hold keys/values of tokens that are part of the sequence.
+* A forward call writes its T new tokens at positions ``lengths[s] + t`` (per-row offsets) *before*
+  attending, and a query at position p attends to keys at positions ``<= p``. Entries at positions
+  ``>= lengths[s]`` are therefore never read before being overwritten, so rejected draft tokens are
+  rolled back by setting ``lengths`` alone (:meth:`KVCache.rollback`): no copy, no zeroing.
+* Writes past ``max_len`` are dropped (scatter ``mode="drop"``), never clamped onto valid entries;
+  callers must keep ``lengths + T <= max_len`` (the engine checks this on the host).
+
+The flattened ragged mode of the serving engine (tokens of many slots packed in one 1-D batch with a
+segment id = slot and a position per token) writes into the same arrays at ``(slot, position)``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specjax.models.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Decoding cache of a target (or draft) transformer.
+
+    Attributes:
+      k: keys, ``[layers, slots, max_len, kv_heads, head_dim]`` (post-RoPE, post-QK-norm).
+      v: values, same shape as ``k``.
+      lengths: ``int32 [slots]``, committed positions per slot.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def rollback(self, lengths: jax.Array) -> "KVCache":
+        """Returns the cache with ``lengths`` replaced (discarding everything at or past them)."""
+        return dataclasses.replace(self, lengths=jnp.asarray(lengths, jnp.int32))
+
+    def replace(self, **kwargs) -> "KVCache":
+        return dataclasses.replace(self, **kwargs)
+
+
+def init_cache(config: ModelConfig, num_slots: int, max_len: int, dtype=None) -> KVCache:
+    """Allocates an empty cache (all lengths 0).
+
+    Args:
+      config: model configuration (layers, kv heads, head_dim).
+      num_slots: S, sequences held at once.
+      max_len: positions per slot.
+      dtype: storage dtype; defaults to the model's compute dtype.
+    """
+    if num_slots <= 0 or max_len <= 0:
+        raise ValueError(f"num_slots and max_len must be positive, got {num_slots}, {max_len}")
+    dtype = config.compute_dtype if dtype is None else dtype
+    shape = (config.num_layers, num_slots, max_len, config.num_kv_heads, config.head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   lengths=jnp.zeros((num_slots,), jnp.int32))
+
+
+def write_layer(cache_k: jax.Array, cache_v: jax.Array, k: jax.Array, v: jax.Array,
+                positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Scatters new keys/values of one layer into its cache rows.
+
+    Args:
+      cache_k, cache_v: ``[slots, max_len, kv_heads, head_dim]``.
+      k, v: ``[slots, T, kv_heads, head_dim]`` new entries.
+      positions: ``int32 [slots, T]`` target positions; out-of-range positions are dropped.
+    Returns:
+      Updated ``(cache_k, cache_v)``.
+    """
+    slots = jnp.arange(cache_k.shape[0])[:, None]
+    slots = jnp.broadcast_to(slots, positions.shape)
+    cache_k = cache_k.at[slots, positions].set(k.astype(cache_k.dtype), mode="drop")
+    cache_v = cache_v.at[slots, positions].set(v.astype(cache_v.dtype), mode="drop")
+    return cache_k, cache_v

@@ -1,0 +1,281 @@
+"""Qwen3 / Llama-family decoder-only transformer in ``flax.nnx``.
+
+One forward path serves every mode the project needs:
+
+* **train / score** (``cache=None``): ``tokens [B, T]``, causal attention, optionally restricted to
+  packed documents by ``segment_ids [B, T]`` with per-document ``positions``.
+* **prefill / decode / verify** (``cache`` given, rows = cache slots): the T new tokens of row b go
+  to positions ``cache.lengths[b] + t``. Prefill is T = prompt chunk, decode is T = 1, verify is
+  T = K + 1 (last emitted token + K drafts). ``num_valid [B]`` says how many of the T tokens of each
+  row are real (rows of different lengths in one batch); the returned cache has
+  ``lengths + num_valid``. Rejected drafts are rolled back with ``cache.rollback(lengths)``.
+* **flat** (:meth:`Transformer.forward_flat`): tokens of many slots packed in one 1-D batch with a
+  segment id (slot) and a position per token, for the serving engine's bucketed verification.
+
+Logits are returned in float32 whatever the compute dtype. The hidden states of chosen layers can be
+returned (``hidden_layers``; index 0 is the embedding output, i the output of block i, before the
+final norm), which is what drafters condition on.
+
+Functional use at a jit boundary (flax performance guide)::
+
+    graphdef, state = nnx.split(model)
+    out = apply(graphdef, state, tokens, cache=cache)     # jit / donate around this
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.models.config import ModelConfig
+from specjax.models.kv_cache import KVCache, write_layer
+from specjax.models.layers import RMSNorm, apply_rope, param, rope_inv_freq
+
+_NEG_INF = -1e30
+
+
+class ForwardOutput(NamedTuple):
+    """Result of a forward pass.
+
+    logits: f32 ``[B, T, V]``.
+    cache: updated :class:`KVCache` (``None`` without a cache).
+    hidden: ``[len(hidden_layers), B, T, D]`` in the compute dtype, or ``None``.
+    """
+
+    logits: jax.Array
+    cache: Optional[KVCache]
+    hidden: Optional[jax.Array]
+
+
+def attention_weights_mask(q_pos, k_pos, q_seg=None, k_seg=None, k_valid=None):
+    """Boolean mask ``[B, T, S]``: key visible to query (causal by position, same segment)."""
+    mask = k_pos[:, None, :] <= q_pos[:, :, None]
+    if q_seg is not None:
+        mask &= q_seg[:, :, None] == k_seg[:, None, :]
+    if k_valid is not None:
+        mask &= k_valid[:, None, :]
+    return mask
+
+
+def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention.
+
+    Args:
+      q: ``[B, T, H, Dh]``; k, v: ``[B, S, KVH, Dh]``; mask: bool ``[B, T, S]``.
+    Returns:
+      ``[B, T, H, Dh]`` in q's dtype. Softmax in f32; rows with no visible key give zeros.
+    """
+    b, t, h, dh = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, t, kvh, h // kvh, dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (dh ** -0.5)
+    m = mask[:, None, None, :, :]
+    scores = jnp.where(m, scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(m, probs, 0.0)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, dh).astype(q.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        wd = c.weight_dtype
+        self.config = c
+        self.q_proj = param(rngs, (c.hidden_size, c.num_heads, c.head_dim),
+                            ("embed", "heads", "head_dim"), wd)
+        self.k_proj = param(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim),
+                            ("embed", "kv_heads", "head_dim"), wd)
+        self.v_proj = param(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim),
+                            ("embed", "kv_heads", "head_dim"), wd)
+        self.o_proj = param(rngs, (c.num_heads, c.head_dim, c.hidden_size),
+                            ("heads", "head_dim", "embed"), wd)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, wd, rngs=rngs, axis_name="head_dim")
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, wd, rngs=rngs, axis_name="head_dim")
+        else:
+            self.q_norm = None
+            self.k_norm = None
+
+    def project(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array):
+        """Returns RoPE'd ``q [B,T,H,Dh]``, ``k, v [B,T,KVH,Dh]`` for ``x [B,T,D]``."""
+        dt = x.dtype
+        q = jnp.einsum("btd,dhk->bthk", x, self.q_proj[...].astype(dt))
+        k = jnp.einsum("btd,dhk->bthk", x, self.k_proj[...].astype(dt))
+        v = jnp.einsum("btd,dhk->bthk", x, self.v_proj[...].astype(dt))
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def output(self, attn: jax.Array) -> jax.Array:
+        return jnp.einsum("bthk,hkd->btd", attn, self.o_proj[...].astype(attn.dtype))
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        self.gate_proj = param(rngs, (c.hidden_size, c.intermediate_size), ("embed", "mlp"),
+                               c.weight_dtype)
+        self.up_proj = param(rngs, (c.hidden_size, c.intermediate_size), ("embed", "mlp"),
+                             c.weight_dtype)
+        self.down_proj = param(rngs, (c.intermediate_size, c.hidden_size), ("mlp", "embed"),
+                               c.weight_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = x.dtype
+        gate = x @ self.gate_proj[...].astype(dt)
+        up = x @ self.up_proj[...].astype(dt)
+        return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(dt)
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: x + Attn(norm(x)); x + MLP(norm(x))."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        wd = config.weight_dtype
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, wd, rngs=rngs)
+        self.attn = Attention(config, rngs=rngs)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, wd, rngs=rngs)
+        self.mlp = MLP(config, rngs=rngs)
+
+
+class Transformer(nnx.Module):
+    """Decoder-only Qwen3 / Llama model. See the module docstring for the forward modes."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        self.embed = param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"),
+                           c.weight_dtype)
+        self.layers = nnx.List([Block(c, rngs=rngs) for _ in range(c.num_layers)])
+        self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.weight_dtype, rngs=rngs)
+        self.lm_head = None if c.tie_embeddings else param(
+            rngs, (c.hidden_size, c.vocab_size), ("embed", "vocab"), c.weight_dtype)
+
+    # -- pieces reused by drafters -------------------------------------------------------------
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """``int [...]`` -> ``[..., D]`` in the compute dtype."""
+        return jnp.take(self.embed[...], tokens, axis=0).astype(self.config.compute_dtype)
+
+    def lm_logits(self, h: jax.Array, *, normed: bool = False) -> jax.Array:
+        """Final norm (unless ``normed``) and LM head: ``[..., D]`` -> f32 ``[..., V]``."""
+        if not normed:
+            h = self.final_norm(h)
+        if self.lm_head is None:
+            w = self.embed[...].astype(h.dtype)
+            return jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,dv->...v", h, self.lm_head[...].astype(h.dtype),
+                          preferred_element_type=jnp.float32)
+
+    def inv_freq(self) -> jax.Array:
+        c = self.config
+        return rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+
+    # -- forward -------------------------------------------------------------------------------
+    def __call__(self, tokens: jax.Array, *, cache: Optional[KVCache] = None,
+                 positions: Optional[jax.Array] = None, segment_ids: Optional[jax.Array] = None,
+                 num_valid: Optional[jax.Array] = None,
+                 hidden_layers: Sequence[int] = ()) -> ForwardOutput:
+        """Runs the model.
+
+        Args:
+          tokens: ``int32 [B, T]``.
+          cache: optional :class:`KVCache` with ``num_slots == B``.
+          positions: ``int32 [B, T]``; without a cache defaults to ``arange(T)`` (pass
+            per-document positions for packed rows); with a cache it is always
+            ``cache.lengths[:, None] + arange(T)`` and must not be given.
+          segment_ids: ``int32 [B, T]`` document ids of packed rows (no cache only).
+          num_valid: ``int32 [B]`` real tokens per row (cache only; default T).
+          hidden_layers: which hidden states to return (0 = embeddings, i = after block i).
+        """
+        c = self.config
+        tokens = jnp.asarray(tokens, jnp.int32)
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
+        b, t = tokens.shape
+        for i in hidden_layers:
+            if not 0 <= i <= c.num_layers:
+                raise ValueError(f"hidden layer {i} outside [0, {c.num_layers}]")
+        if cache is not None:
+            if positions is not None or segment_ids is not None:
+                raise ValueError("positions/segment_ids are implied by the cache in cached mode")
+            if cache.num_slots != b:
+                raise ValueError(f"batch {b} != cache slots {cache.num_slots}")
+            if cache.num_layers != c.num_layers:
+                raise ValueError(f"cache has {cache.num_layers} layers, model {c.num_layers}")
+            positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+            if num_valid is None:
+                num_valid = jnp.full((b,), t, jnp.int32)
+        else:
+            if num_valid is not None:
+                raise ValueError("num_valid is only meaningful with a cache")
+            if positions is None:
+                positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        positions = jnp.asarray(positions, jnp.int32)
+
+        inv_freq = self.inv_freq()
+        x = self.embed_tokens(tokens)
+        hidden = [x] if 0 in hidden_layers else []
+        new_k, new_v = [], []
+        if cache is not None:
+            k_pos = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32),
+                                     (b, cache.max_len))
+            mask = attention_weights_mask(positions, k_pos)
+        else:
+            seg = segment_ids
+            mask = attention_weights_mask(positions, positions, seg, seg)
+            if seg is None:  # plain causal by index (positions may repeat across packed docs)
+                idx = jnp.arange(t)
+                mask = jnp.broadcast_to(idx[None, :] <= idx[:, None], (b, t, t))
+
+        for i, layer in enumerate(self.layers):
+            h = layer.input_norm(x)
+            q, k, v = layer.attn.project(h, positions, inv_freq)
+            if cache is not None:
+                ck, cv = write_layer(cache.k[i], cache.v[i], k, v, positions)
+                new_k.append(ck)
+                new_v.append(cv)
+                k, v = ck.astype(q.dtype), cv.astype(q.dtype)
+            attn = grouped_attention(q, k, v, mask)
+            x = x + layer.attn.output(attn)
+            x = x + layer.mlp(layer.post_attn_norm(x))
+            if i + 1 in hidden_layers:
+                hidden.append(x)
+
+        logits = self.lm_logits(x)
+        new_cache = None
+        if cache is not None:
+            new_cache = KVCache(k=jnp.stack(new_k), v=jnp.stack(new_v),
+                                lengths=cache.lengths + num_valid.astype(jnp.int32))
+        hid = None
+        if hidden_layers:
+            order = sorted(set(hidden_layers))
+            by_index = dict(zip(order, hidden))
+            hid = jnp.stack([by_index[i] for i in hidden_layers])
+        return ForwardOutput(logits=logits, cache=new_cache, hidden=hid)
+
+
+def apply(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, **kwargs) -> ForwardOutput:
+    """Pure functional forward: ``nnx.merge`` then call. Wrap in ``jax.jit`` at the boundary."""
+    return nnx.merge(graphdef, state)(tokens, **kwargs)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "hidden_layers"),
+                   donate_argnames=("cache",))
+def cached_forward(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, cache: KVCache,
+                   num_valid: Optional[jax.Array] = None,
+                   hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
+    """Jitted cached forward (prefill / decode / verify) that donates the cache buffers."""
+    return apply(graphdef, state, tokens, cache=cache, num_valid=num_valid,
+                 hidden_layers=hidden_layers)
+
+
+def init_model(config: ModelConfig, seed: int = 0) -> Transformer:
+    """Builds a randomly initialised model (normal(0, 0.02) weights, unit norms)."""
+    return Transformer(config, rngs=nnx.Rngs(params=seed))
