@@ -52,7 +52,11 @@ class KVCache:
         return self.k.shape[2]
 
     def rollback(self, lengths: jax.Array) -> "KVCache":
-        """Returns the cache with ``lengths`` replaced (discarding everything at or past them)."""
+        """Returns the cache with ``lengths`` replaced (discarding everything at or past them).
+
+        The cache (``lengths`` included) is donated by the jitted steps: pass a fresh array (or a
+        host numpy array) rather than one you keep using.
+        """
         return dataclasses.replace(self, lengths=jnp.asarray(lengths, jnp.int32))
 
     def replace(self, **kwargs) -> "KVCache":

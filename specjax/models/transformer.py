@@ -219,10 +219,6 @@ class Transformer(nnx.Module):
                 positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         positions = jnp.asarray(positions, jnp.int32)
 
-        inv_freq = self.inv_freq()
-        x = self.embed_tokens(tokens)
-        hidden = [x] if 0 in hidden_layers else []
-        new_k, new_v = [], []
         if cache is not None:
             k_pos = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32),
                                      (b, cache.max_len))
@@ -234,36 +230,118 @@ class Transformer(nnx.Module):
                 idx = jnp.arange(t)
                 mask = jnp.broadcast_to(idx[None, :] <= idx[:, None], (b, t, t))
 
-        for i, layer in enumerate(self.layers):
-            h = layer.input_norm(x)
-            q, k, v = layer.attn.project(h, positions, inv_freq)
-            if cache is not None:
-                ck, cv = write_layer(cache.k[i], cache.v[i], k, v, positions)
-                new_k.append(ck)
-                new_v.append(cv)
-                k, v = ck.astype(q.dtype), cv.astype(q.dtype)
-            attn = grouped_attention(q, k, v, mask)
-            x = x + layer.attn.output(attn)
-            x = x + layer.mlp(layer.post_attn_norm(x))
-            if i + 1 in hidden_layers:
-                hidden.append(x)
+        def attend(i, q, k, v):
+            if cache is None:
+                return grouped_attention(q, k, v, mask), None
+            ck, cv = write_layer(cache.k[i], cache.v[i], k, v, positions)
+            return grouped_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), mask), (ck, cv)
 
+        x, written, hid = self._run_layers(tokens, positions, attend, hidden_layers)
         logits = self.lm_logits(x)
         new_cache = None
         if cache is not None:
-            new_cache = KVCache(k=jnp.stack(new_k), v=jnp.stack(new_v),
+            new_cache = KVCache(k=jnp.stack([w[0] for w in written]),
+                                v=jnp.stack([w[1] for w in written]),
                                 lengths=cache.lengths + num_valid.astype(jnp.int32))
-        hid = None
-        if hidden_layers:
-            order = sorted(set(hidden_layers))
-            by_index = dict(zip(order, hidden))
-            hid = jnp.stack([by_index[i] for i in hidden_layers])
         return ForwardOutput(logits=logits, cache=new_cache, hidden=hid)
+
+    def _run_layers(self, tokens, positions, attend, hidden_layers):
+        """Embeds and runs every block; ``attend(i, q, k, v) -> (out, written)`` is the mode.
+
+        Returns the last block's output, the per-layer ``written`` values and the stacked hidden
+        states requested (or None).
+        """
+        inv_freq = self.inv_freq()
+        x = self.embed_tokens(tokens)
+        hidden = {0: x}
+        written = []
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.attn.project(layer.input_norm(x), positions, inv_freq)
+            attn, w = attend(i, q, k, v)
+            written.append(w)
+            x = x + layer.attn.output(attn)
+            x = x + layer.mlp(layer.post_attn_norm(x))
+            if i + 1 in hidden_layers:
+                hidden[i + 1] = x
+        hid = jnp.stack([hidden[i] for i in hidden_layers]) if hidden_layers else None
+        return x, written, hid
+
+    def forward_flat(self, tokens: jax.Array, segment_ids: jax.Array, cache: KVCache, *,
+                     grid_len: int, hidden_layers: Sequence[int] = ()) -> ForwardOutput:
+        """Flattened ragged forward for bucketed verification (DSpark §5.3 "marker tensor").
+
+        The tokens of many slots are packed in one 1-D batch: token n belongs to slot
+        ``segment_ids[n]`` (``>= num_slots`` marks padding) and sits at position
+        ``cache.lengths[slot] + j`` where j is its rank among that slot's tokens (tokens of one
+        slot are contiguous and in order). Dense work (projections, MLP, LM head) runs on the
+        flat ``[N]`` tokens, so its cost follows N; for attention the queries are scattered into a
+        ``[slots, grid_len]`` grid and attend to each slot's cache row once, then gathered back.
+        Keys/values are written at ``(slot, position)`` before attending. Cache lengths are NOT
+        advanced: the caller commits ``lengths`` after verification (rollback by lengths).
+
+        Args:
+          tokens: ``int32 [N]`` packed tokens (N is the bucket size).
+          segment_ids: ``int32 [N]`` slot of each token; padding uses any value ``>= num_slots``.
+          cache: the slots' cache.
+          grid_len: static bound on tokens per slot in this call (e.g. 1 + max draft length).
+          hidden_layers: as in ``__call__``.
+        Returns:
+          ForwardOutput with logits f32 ``[N, V]``, the written cache, hidden ``[n, N, D]``.
+        """
+        tokens = jnp.asarray(tokens, jnp.int32)
+        seg = jnp.asarray(segment_ids, jnp.int32)
+        if tokens.ndim != 1 or seg.shape != tokens.shape:
+            raise ValueError(f"tokens and segment_ids must be equal 1-D shapes, got "
+                             f"{tokens.shape} and {seg.shape}")
+        s, n = cache.num_slots, tokens.shape[0]
+        valid = seg < s
+        seg_c = jnp.where(valid, seg, 0)
+        # Rank of each token inside its (contiguous) segment: distance to the run's start.
+        idx = jnp.arange(n, dtype=jnp.int32)
+        is_start = jnp.concatenate([jnp.ones((1,), bool), seg[1:] != seg[:-1]])
+        rank = idx - jax.lax.cummax(jnp.where(is_start, idx, 0))
+        positions = jnp.where(valid, cache.lengths[seg_c] + rank, cache.max_len)
+        grid_slot = jnp.where(valid & (rank < grid_len), seg_c, s)  # s = dropped
+        q_pos_grid = cache.lengths[:, None] + jnp.arange(grid_len, dtype=jnp.int32)[None, :]
+        k_pos = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (s, cache.max_len))
+        mask = attention_weights_mask(q_pos_grid, k_pos)
+
+        def attend(i, q, k, v):
+            # q, k, v: [1, N, heads, Dh]
+            ck = cache.k[i].at[seg_c, positions].set(
+                k[0].astype(cache.k.dtype), mode="drop")
+            cv = cache.v[i].at[seg_c, positions].set(
+                v[0].astype(cache.v.dtype), mode="drop")
+            grid_q = jnp.zeros((s, grid_len) + q.shape[2:], q.dtype)
+            grid_q = grid_q.at[grid_slot, rank].set(q[0], mode="drop")
+            out = grouped_attention(grid_q, ck.astype(q.dtype), cv.astype(q.dtype), mask)
+            flat = out.at[grid_slot, rank].get(mode="fill", fill_value=0)
+            return flat[None], (ck, cv)
+
+        x, written, hid = self._run_layers(tokens[None], positions[None], attend, hidden_layers)
+        logits = self.lm_logits(x[0])
+        new_cache = cache.replace(k=jnp.stack([w[0] for w in written]),
+                                  v=jnp.stack([w[1] for w in written]))
+        return ForwardOutput(logits=logits, cache=new_cache,
+                             hidden=None if hid is None else hid[:, 0])
 
 
 def apply(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, **kwargs) -> ForwardOutput:
     """Pure functional forward: ``nnx.merge`` then call. Wrap in ``jax.jit`` at the boundary."""
     return nnx.merge(graphdef, state)(tokens, **kwargs)
+
+
+def apply_flat(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array,
+               segment_ids: jax.Array, cache: KVCache, *, grid_len: int,
+               hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
+    """Pure functional :meth:`Transformer.forward_flat`."""
+    return nnx.merge(graphdef, state).forward_flat(tokens, segment_ids, cache, grid_len=grid_len,
+                                                   hidden_layers=hidden_layers)
+
+
+# Jitted forms (no donation): convenient for scoring and tests. Static: graphdef, hidden_layers.
+apply_jit = jax.jit(apply, static_argnames=("graphdef", "hidden_layers"))
+apply_flat_jit = jax.jit(apply_flat, static_argnames=("graphdef", "grid_len", "hidden_layers"))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "hidden_layers"),

@@ -1,0 +1,101 @@
+"""Decode throughput and the cost of a verify step relative to a decode step.
+
+Speculation pays when verifying K drafts (a forward over K + 1 tokens) costs little more than
+decoding one token. This measures, on the current backend, for each model preset:
+
+* decode: a cached forward of 1 token per row (tokens/s = batch / step time);
+* verify(K): a cached forward of K + 1 tokens per row, for K = 1..16, as a ratio to decode.
+
+Both run at the same context length (the cache is rolled back after every step), through the
+jitted, cache-donating ``cached_forward``. Each figure is the median over ``--reps`` timed steps
+after warm-up; ratios are taken within one run.
+
+Run:
+    .venv/bin/python -m benchmarks.model_step_cost                   # tiny + base50m presets
+    .venv/bin/python -m benchmarks.model_step_cost --presets tiny --reps 20
+Writes ``benchmarks/results/model_step_cost.json`` and prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.models import cached_forward, get_preset, init_cache, init_model
+
+
+def _time_step(graphdef, state, cache, tokens, reps: int, context: int):
+    """Median seconds of one cached forward of ``tokens``; returns (seconds, cache)."""
+    # A host array: each rollback makes a fresh device buffer (the cache, lengths included, is
+    # donated to the next step).
+    lengths = np.full((tokens.shape[0],), context, np.int32)
+    out = cached_forward(graphdef, state, tokens, cache)  # compile
+    cache = out.cache.rollback(lengths)
+    jax.block_until_ready(out.logits)
+    times = []
+    for _ in range(reps + 2):
+        t0 = time.perf_counter()
+        out = cached_forward(graphdef, state, tokens, cache)
+        jax.block_until_ready(out.logits)
+        times.append(time.perf_counter() - t0)
+        cache = out.cache.rollback(lengths)
+    return statistics.median(times[2:]), cache
+
+
+def bench_preset(name: str, *, batch: int, context: int, max_k: int, reps: int) -> dict:
+    config = get_preset(name)
+    model = init_model(config, seed=0)
+    graphdef, state = nnx.split(model)
+    max_len = context + max_k + 1
+    cache = init_cache(config, batch, max_len)
+    prompt = jax.random.randint(jax.random.key(0), (batch, context), 0, config.vocab_size)
+    cache = cached_forward(graphdef, state, prompt, cache).cache
+    decode_s, cache = _time_step(graphdef, state, cache, prompt[:, :1], reps, context)
+    rows = []
+    for k in range(1, max_k + 1):
+        verify_s, cache = _time_step(graphdef, state, cache, prompt[:, :k + 1], reps, context)
+        rows.append({"K": k, "verify_ms": verify_s * 1e3, "ratio_to_decode": verify_s / decode_s})
+    return {"preset": name, "params": config.num_params(), "batch": batch, "context": context,
+            "decode_ms": decode_s * 1e3, "decode_tokens_per_s": batch / decode_s, "verify": rows}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--presets", default="tiny,base50m")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--max-k", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--out", default="benchmarks/results/model_step_cost.json")
+    args = parser.parse_args(argv)
+    results = {"backend": jax.default_backend(), "devices": str(jax.devices()[0]),
+               "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+               "reps": args.reps, "presets": []}
+    for name in args.presets.split(","):
+        r = bench_preset(name, batch=args.batch, context=args.context, max_k=args.max_k,
+                         reps=args.reps)
+        results["presets"].append(r)
+        print(f"\n### {name} ({r['params'] / 1e6:.1f}M params, batch {r['batch']}, "
+              f"context {r['context']}): decode {r['decode_ms']:.2f} ms/step = "
+              f"{r['decode_tokens_per_s']:.0f} tokens/s")
+        print("| K | verify ms | verify / decode |\n|---|---|---|")
+        for row in r["verify"]:
+            print(f"| {row['K']} | {row['verify_ms']:.2f} | {row['ratio_to_decode']:.2f} |")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"\nwrote {args.out}")
+    return results
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=3)
+    main()
