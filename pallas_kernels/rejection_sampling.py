@@ -1,0 +1,485 @@
+"""Batched rejection sampling as a Pallas kernel (TPU Mosaic, GPU Triton), with its jnp reference.
+
+Algorithm: exactly :func:`specjax.verify.rejection_sample_with_noise` (Leviathan et al. 2023;
+Chen et al. 2023; DESIGN.md "The math"), over the same explicit random inputs
+
+* ``uniforms`` float32 ``[B, K]`` (acceptance tests) and
+* ``exponentials`` float32 ``[B, V]`` (one Exp(1) vector per row for the exponential race that draws
+  the correction / bonus token),
+
+so that for the same inputs the kernel, the reference below and the ``jnp`` verifier return the same
+tokens bit for bit. The race (``argmax_v w_v / E_v``) is what makes that possible: it is elementwise
+plus a max, so it does not depend on how the vocabulary is tiled, unlike an inverse CDF whose cumulative
+sum rounds differently per tiling.
+
+Structure. The kernel makes one pass over ``p`` ``[B, K+1, V]`` and ``q`` ``[B, K, V]`` and, for every
+row ``b`` and position ``k``, produces four small statistics (``[B, K+1]`` / ``[B, K]``):
+
+* ``pa[b, k] = p_k(x_k)`` and ``qa[b, k] = q_k(x_k)`` (a masked sum that hits one element: exact),
+* ``r_idx[b, k]`` = first argmax of ``max(0, p_k - q_k) * (1/E)``, or ``-1`` if no score is positive,
+* ``p_idx[b, k]`` = first argmax of ``p_k * (1/E)``, or ``-1`` if no score is positive.
+
+A ``[B, K]``-sized epilogue in ``jnp`` then runs the acceptance chain (``u_k q_k(x_k) < p_k(x_k)``,
+``q_k(x_k) > 0``, ``k < num_draft``), finds the first rejection ``n`` and emits ``r_idx[b, n]`` (falling
+back to ``p_idx[b, n]`` when the residual underflowed) or the bonus ``p_idx[b, num_draft]``. Since the
+row ``n`` is not known before the acceptance tests are read, the kernel races every position; that
+is one streaming pass (all of ``p`` and ``q`` read once, the noise once per row on TPU) rather than a
+gather of two rows, so on a CPU the gather-based ``jnp`` verifier is the faster path, and the kernel is
+for accelerators where the probabilities are already in HBM and streamed at full bandwidth.
+
+Backends (``rejection_sample_pallas(..., backend=...)``):
+
+* ``"mosaic_tpu"``: grid ``(B, cdiv(V, block_v))``, batch axis ``parallel``, vocab axis ``arbitrary``;
+  blocks ``[K+1, block_v]`` of ``p``, ``[K, block_v]`` of ``q``; running statistics live in the
+  resident output blocks and a VMEM scratch. The vocab tail (``V % block_v != 0``, e.g. 8193 or 151936)
+  is masked, never padded (padding would copy ``p`` and ``q``).
+* ``"triton"``: grid ``(B, K+1)``, one program per (row, position), looping over vocab tiles of
+  ``block_v`` (a power of two, as Triton requires) with masked loads.
+* ``"jnp"``: :func:`rejection_sample_reference` (what ``"auto"`` picks on CPU).
+* ``interpret=True`` runs either kernel with the Pallas interpreter (CPU tests); random numbers are
+  always inputs (the TPU in-kernel PRNG returns zeros under the interpreter).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from specjax.verify import VerifyOutput
+
+__all__ = [
+    "RejectionTiles",
+    "rejection_sample_reference",
+    "position_stats_reference",
+    "position_stats_pallas",
+    "rejection_sample_pallas",
+    "default_backend",
+]
+
+_BIG = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class RejectionTiles:
+    """Tile sizes. ``block_v``: vocab tile of the TPU kernel (multiple of 128). ``triton_block_v``:
+    vocab tile of the Triton kernel (power of two). ``triton_num_warps`` / ``triton_num_stages``:
+    Triton compiler parameters."""
+
+    block_v: int = 2048
+    triton_block_v: int = 1024
+    triton_num_warps: int = 4
+    triton_num_stages: int = 1
+
+    def __post_init__(self):
+        if self.block_v <= 0 or self.block_v % 128:
+            raise ValueError(f"block_v must be a positive multiple of 128, got {self.block_v}")
+        t = self.triton_block_v
+        if t <= 0 or t & (t - 1):
+            raise ValueError(f"triton_block_v must be a power of two, got {t}")
+
+
+# ----------------------------------------------------------------------------------------------
+# jnp reference
+
+
+def _race(score):
+    """First argmax of ``score`` along the last axis, -1 where no entry is > 0."""
+    idx = jnp.argmax(score, axis=-1).astype(jnp.int32)
+    best = jnp.max(score, axis=-1)
+    return jnp.where(best > 0.0, idx, -1)
+
+
+def position_stats_reference(draft_tokens, draft_probs, target_probs, exponentials):
+    """The kernel's per-position statistics in plain jnp (reads everything; a readable spec).
+
+    Returns ``(pa [B, K+1], qa [B, K], r_idx [B, K], p_idx [B, K+1])`` (see the module docstring).
+    """
+    bsz, k = draft_tokens.shape
+    vocab = target_probs.shape[-1]
+    p = target_probs.astype(jnp.float32)
+    q = draft_probs.astype(jnp.float32)
+    r = (1.0 / exponentials.astype(jnp.float32))[:, None, :]
+    x = jnp.concatenate([draft_tokens.astype(jnp.int32), jnp.full((bsz, 1), -1, jnp.int32)], axis=1)
+    hit = jnp.arange(vocab, dtype=jnp.int32)[None, None, :] == x[:, :, None]
+    pa = jnp.sum(jnp.where(hit, p, 0.0), axis=-1)
+    qa = jnp.sum(jnp.where(hit[:, :k], q, 0.0), axis=-1)
+    r_idx = _race(jnp.maximum(p[:, :k] - q, 0.0) * r)
+    p_idx = _race(p * r)
+    return pa, qa, r_idx, p_idx
+
+
+def _epilogue(draft_tokens, uniforms, num_draft, pa, qa, r_idx, p_idx) -> VerifyOutput:
+    """Acceptance chain and token choice from the per-position statistics (``[B, K+1]``-sized)."""
+    bsz, k = draft_tokens.shape
+    x = draft_tokens.astype(jnp.int32)
+    kk = jnp.arange(k, dtype=jnp.int32)[None, :]
+    active = kk < num_draft[:, None]
+    accept = active & (qa > 0.0) & (uniforms.astype(jnp.float32) * qa < pa[:, :k])
+    n = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    rejected = n < num_draft
+    p_pick = jnp.maximum(jnp.take_along_axis(p_idx, n[:, None], axis=1)[:, 0], 0)
+    if k:
+        r_pick = jnp.take_along_axis(r_idx, jnp.minimum(n, k - 1)[:, None], axis=1)[:, 0]
+        y = jnp.where(rejected & (r_pick >= 0), r_pick, p_pick)
+    else:
+        y = p_pick
+    j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    xp = jnp.concatenate([x, jnp.full((bsz, 1), -1, jnp.int32)], axis=1)
+    tokens = jnp.where(j < n[:, None], xp, jnp.where(j == n[:, None], y[:, None], -1))
+    return VerifyOutput(num_accepted=n, tokens=tokens.astype(jnp.int32))
+
+
+def _nd(num_draft, bsz, k):
+    if num_draft is None:
+        return jnp.full((bsz,), k, jnp.int32)
+    return jnp.clip(jnp.asarray(num_draft, jnp.int32), 0, k).reshape(bsz)
+
+
+def rejection_sample_reference(
+    draft_tokens, draft_probs, target_probs, uniforms, exponentials, num_draft=None
+) -> VerifyOutput:
+    """jnp reference of the kernel: statistics over all positions, then the epilogue.
+
+    Shapes: ``draft_tokens`` int32 ``[B, K]``, ``draft_probs`` ``[B, K, V]``, ``target_probs``
+    ``[B, K+1, V]``, ``uniforms`` ``[B, K]``, ``exponentials`` ``[B, V]``, ``num_draft`` ``[B]``.
+    """
+    bsz, k = draft_tokens.shape
+    stats = position_stats_reference(draft_tokens, draft_probs, target_probs, exponentials)
+    return _epilogue(draft_tokens, uniforms, _nd(num_draft, bsz, k), *stats)
+
+
+# ----------------------------------------------------------------------------------------------
+# TPU (Mosaic) kernel: grid (B, vocab tiles)
+
+
+def _race_update(score, col, best_ref, idx_ref):
+    # The index min-reduction runs in float32 (exact for ids < 2**24): float lane reductions are the
+    # ones every TPU generation supports.
+    m = jnp.max(score, axis=1, keepdims=True)
+    i = jnp.min(jnp.where(score == m, col.astype(jnp.float32), jnp.inf), axis=1, keepdims=True)
+    i = i.astype(jnp.int32)
+    better = m > best_ref[...]
+    best_ref[...] = jnp.where(better, m, best_ref[...])
+    idx_ref[...] = jnp.where(better, i, idx_ref[...])
+
+
+def _tpu_kernel(*refs, k, vocab, block_v):
+    if k:
+        x_ref, p_ref, q_ref, e_ref, pa_ref, pidx_ref, qa_ref, ridx_ref, pbest_ref, rbest_ref = refs
+    else:
+        x_ref, p_ref, e_ref, pa_ref, pidx_ref, pbest_ref = refs
+    t = pl.program_id(1)
+
+    @pl.when(t == 0)
+    def _init():
+        pa_ref[...] = jnp.zeros(pa_ref.shape, jnp.float32)
+        pidx_ref[...] = jnp.full(pidx_ref.shape, -1, jnp.int32)
+        pbest_ref[...] = jnp.zeros(pbest_ref.shape, jnp.float32)
+        if k:
+            qa_ref[...] = jnp.zeros(qa_ref.shape, jnp.float32)
+            ridx_ref[...] = jnp.full(ridx_ref.shape, -1, jnp.int32)
+            rbest_ref[...] = jnp.zeros(rbest_ref.shape, jnp.float32)
+
+    col = t * block_v + jax.lax.broadcasted_iota(jnp.int32, (1, block_v), 1)
+    valid = col < vocab
+    r = jnp.where(valid, 1.0 / e_ref[...].astype(jnp.float32), 0.0)  # (1, T)
+    p = jnp.where(valid, p_ref[...].astype(jnp.float32), 0.0)  # (K+1, T)
+    x = x_ref[...]  # (K+1, 1)
+    pa_ref[...] += jnp.sum(jnp.where(col == x, p, 0.0), axis=1, keepdims=True)
+    _race_update(p * r, col, pbest_ref, pidx_ref)
+    if k:
+        pk = jnp.where(valid, p_ref[pl.ds(0, k), :].astype(jnp.float32), 0.0)  # (K, T)
+        q = jnp.where(valid, q_ref[...].astype(jnp.float32), 0.0)  # (K, T)
+        qa_ref[...] += jnp.sum(jnp.where(col == x_ref[pl.ds(0, k), :], q, 0.0), axis=1, keepdims=True)
+        _race_update(jnp.maximum(pk - q, 0.0) * r, col, rbest_ref, ridx_ref)
+
+
+def _stats_tpu(xp, draft_probs, target_probs, exponentials, tiles: RejectionTiles, interpret):
+    from jax.experimental.pallas import tpu as pltpu
+
+    bsz, k1, vocab = target_probs.shape
+    k = k1 - 1
+    bv = min(tiles.block_v, pl.cdiv(vocab, 128) * 128)
+    grid = (bsz, pl.cdiv(vocab, bv))
+    col_spec = lambda rows: pl.BlockSpec((None, rows, 1), lambda b, t: (b, 0, 0))
+    in_specs = [col_spec(k1), pl.BlockSpec((None, k1, bv), lambda b, t: (b, 0, t))]
+    args = [xp[:, :, None], target_probs]
+    if k:
+        in_specs.append(pl.BlockSpec((None, k, bv), lambda b, t: (b, 0, t)))
+        args.append(draft_probs)
+    in_specs.append(pl.BlockSpec((None, 1, bv), lambda b, t: (b, 0, t)))
+    args.append(exponentials.reshape(bsz, 1, vocab))
+    out_shape = [
+        jax.ShapeDtypeStruct((bsz, k1, 1), jnp.float32),
+        jax.ShapeDtypeStruct((bsz, k1, 1), jnp.int32),
+    ]
+    out_specs = [col_spec(k1), col_spec(k1)]
+    scratch = [pltpu.VMEM((k1, 1), jnp.float32)]
+    if k:
+        out_shape += [jax.ShapeDtypeStruct((bsz, k, 1), jnp.float32), jax.ShapeDtypeStruct((bsz, k, 1), jnp.int32)]
+        out_specs += [col_spec(k), col_spec(k)]
+        scratch.append(pltpu.VMEM((k, 1), jnp.float32))
+    outs = pl.pallas_call(
+        functools.partial(_tpu_kernel, k=k, vocab=vocab, block_v=bv),
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        scratch_shapes=scratch,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret,
+        name="rejection_sampling_stats",
+    )(*args)
+    outs = [o[..., 0] for o in outs]
+    if k:
+        pa, p_idx, qa, r_idx = outs
+    else:
+        (pa, p_idx), qa, r_idx = outs, jnp.zeros((bsz, 0), jnp.float32), jnp.zeros((bsz, 0), jnp.int32)
+    return pa, qa, r_idx, p_idx
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU (Triton) kernel: grid (B, K+1), loop over vocab tiles
+
+
+def _triton_kernel(*refs, k, vocab, block_v):
+    from jax.experimental.pallas import triton as plt
+
+    if k:
+        x_ref, p_ref, q_ref, e_ref, pa_ref, pidx_ref, qa_ref, ridx_ref = refs
+    else:
+        x_ref, p_ref, e_ref, pa_ref, pidx_ref = refs
+    pos = pl.program_id(1)
+    x = x_ref[...]  # (1,)
+    n_tiles = pl.cdiv(vocab, block_v)
+
+    def race(score, col, best, idx):
+        m = jnp.max(score)
+        i = jnp.min(jnp.where(score == m, col, _BIG))
+        better = m > best
+        return jnp.where(better, m, best), jnp.where(better, i, idx)
+
+    def body(t, carry):
+        pa, qa, pbest, pidx, rbest, ridx = carry
+        start = pl.multiple_of(t * block_v, block_v)
+        col = start + jnp.arange(block_v, dtype=jnp.int32)
+        valid = col < vocab
+        p = plt.load(p_ref.at[pl.ds(start, block_v)], mask=valid, other=0.0).astype(jnp.float32)
+        e = plt.load(e_ref.at[pl.ds(start, block_v)], mask=valid, other=1.0).astype(jnp.float32)
+        r = jnp.where(valid, 1.0 / e, 0.0)
+        hit = col == x
+        pa = pa + jnp.sum(jnp.where(hit, p, 0.0))
+        pbest, pidx = race(p * r, col, pbest, pidx)
+        if k:
+            q = plt.load(q_ref.at[pl.ds(start, block_v)], mask=valid, other=0.0).astype(jnp.float32)
+            qa = qa + jnp.sum(jnp.where(hit, q, 0.0))
+            rbest, ridx = race(jnp.maximum(p - q, 0.0) * r, col, rbest, ridx)
+        return pa, qa, pbest, pidx, rbest, ridx
+
+    zero, minus1 = jnp.float32(0.0), jnp.int32(-1)
+    pa, qa, _, pidx, _, ridx = jax.lax.fori_loop(0, n_tiles, body, (zero, zero, zero, minus1, zero, minus1))
+    pa_ref[...] = jnp.full((1,), pa, jnp.float32)
+    pidx_ref[...] = jnp.full((1,), pidx, jnp.int32)
+    if k:
+        qa_ref[...] = jnp.full((1,), qa, jnp.float32)
+        ridx_ref[...] = jnp.full((1,), jnp.where(pos < k, ridx, -1), jnp.int32)
+
+
+def _stats_triton(xp, draft_probs, target_probs, exponentials, tiles: RejectionTiles, interpret):
+    from jax.experimental.pallas import triton as plt
+
+    bsz, k1, vocab = target_probs.shape
+    k = k1 - 1
+    bv = min(tiles.triton_block_v, pl.next_power_of_2(vocab))
+    scalar = pl.BlockSpec((None, 1), lambda b, j: (b, j))
+    in_specs = [scalar, pl.BlockSpec((None, None, vocab), lambda b, j: (b, j, 0))]
+    args = [xp, target_probs]
+    if k:
+        in_specs.append(pl.BlockSpec((None, None, vocab), lambda b, j: (b, jnp.minimum(j, k - 1), 0)))
+        args.append(draft_probs)
+    in_specs.append(pl.BlockSpec((None, vocab), lambda b, j: (b, 0)))
+    args.append(exponentials)
+    n_out = 4 if k else 2
+    out_shape = [
+        jax.ShapeDtypeStruct((bsz, k1), jnp.float32 if i % 2 == 0 else jnp.int32) for i in range(n_out)
+    ]
+    outs = pl.pallas_call(
+        functools.partial(_triton_kernel, k=k, vocab=vocab, block_v=bv),
+        out_shape=out_shape,
+        grid=(bsz, k1),
+        in_specs=in_specs,
+        out_specs=[scalar] * n_out,
+        compiler_params=plt.CompilerParams(num_warps=tiles.triton_num_warps, num_stages=tiles.triton_num_stages),
+        interpret=interpret,
+        name="rejection_sampling_stats",
+    )(*args)
+    if k:
+        pa, p_idx, qa, r_idx = outs
+        return pa, qa[:, :k], r_idx[:, :k], p_idx
+    pa, p_idx = outs
+    return pa, jnp.zeros((bsz, 0), jnp.float32), jnp.zeros((bsz, 0), jnp.int32), p_idx
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU (Mosaic GPU) kernel: grid (B, K+1, vocab tiles), the tile axis sequential
+
+_MGPU_TILE = 256  # TMA boxes hold at most 256 elements per dimension
+_MGPU_LANES = 128  # per-(row, position) outputs are stored as 128 equal lanes (TMA needs >= 16 bytes)
+
+
+def _mgpu_kernel(*refs, k, vocab, block_v, iota):
+    lanes = _MGPU_LANES
+    if k:
+        x_ref, p_ref, q_ref, e_ref, pa_ref, pidx_ref, qa_ref, ridx_ref, pbest_ref, rbest_ref = refs
+    else:
+        x_ref, p_ref, e_ref, pa_ref, pidx_ref, pbest_ref = refs
+    pos = pl.program_id(1)
+    t = pl.program_id(2)
+
+    @pl.when(t == 0)
+    def _init():
+        pa_ref[...] = jnp.zeros((lanes,), jnp.float32)
+        pidx_ref[...] = jnp.full((lanes,), -1, jnp.int32)
+        pbest_ref[...] = jnp.zeros((lanes,), jnp.float32)
+        if k:
+            qa_ref[...] = jnp.zeros((lanes,), jnp.float32)
+            ridx_ref[...] = jnp.full((lanes,), -1, jnp.int32)
+            rbest_ref[...] = jnp.zeros((lanes,), jnp.float32)
+
+    col = t * block_v + iota(block_v)
+    valid = col < vocab
+    x = jnp.max(x_ref[...])
+    hit = col == x
+    p = jnp.where(valid, p_ref[...].astype(jnp.float32), 0.0)
+    r = jnp.where(valid, 1.0 / e_ref[...].astype(jnp.float32), 0.0)
+
+    def race(score, best_ref, idx_ref):
+        m = jnp.max(score)
+        i = jnp.min(jnp.where(score == m, col, _BIG))
+        best = best_ref[...]
+        better = m > best
+        best_ref[...] = jnp.where(better, m, best)
+        idx_ref[...] = jnp.where(better, i, idx_ref[...])
+
+    pa_ref[...] = pa_ref[...] + jnp.sum(jnp.where(hit, p, 0.0))
+    race(p * r, pbest_ref, pidx_ref)
+    if k:
+        q = jnp.where(valid, q_ref[...].astype(jnp.float32), 0.0)
+        qa_ref[...] = qa_ref[...] + jnp.sum(jnp.where(hit, q, 0.0))
+        # position K has no draft: its residual race reads q_{K-1} and is discarded by the epilogue
+        race(jnp.maximum(p - q, 0.0) * r, rbest_ref, ridx_ref)
+
+
+def _stats_mosaic_gpu(xp, draft_probs, target_probs, exponentials, tiles: RejectionTiles, interpret):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    bsz, k1, vocab = target_probs.shape
+    k = k1 - 1
+    lanes, bv = _MGPU_LANES, _MGPU_TILE
+    # TMA wants every row stride to be a multiple of 16 bytes; other vocab sizes are padded (a copy
+    # of p and q -- use the Triton backend for those).
+    itemsizes = [jnp.dtype(a.dtype).itemsize for a in (target_probs, exponentials) + ((draft_probs,) if k else ())]
+    vpad = -vocab % max(16 // s for s in itemsizes)
+    if vpad:
+        target_probs = jnp.pad(target_probs, ((0, 0), (0, 0), (0, vpad)))
+        exponentials = jnp.pad(exponentials, ((0, 0), (0, vpad)), constant_values=1.0)
+        if k:
+            draft_probs = jnp.pad(draft_probs, ((0, 0), (0, 0), (0, vpad)))
+    if interpret:
+        iota = lambda n: jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+    else:
+        iota = lambda n: plgpu.broadcasted_iota(
+            jnp.int32, (n,), 0, layout=plgpu.Layout.WG_STRIDED((n,), vec_size=n // 128)
+        )
+    vec = pl.BlockSpec((None, None, lanes), lambda b, j, t: (b, j, 0))
+    in_specs = [vec, pl.BlockSpec((None, None, bv), lambda b, j, t: (b, j, t))]
+    args = [jnp.broadcast_to(xp[:, :, None], (bsz, k1, lanes)), target_probs]
+    if k:
+        in_specs.append(pl.BlockSpec((None, None, bv), lambda b, j, t: (b, jnp.minimum(j, k - 1), t)))
+        args.append(draft_probs)
+    in_specs.append(pl.BlockSpec((None, bv), lambda b, j, t: (b, t)))
+    args.append(exponentials)
+    n_out = 4 if k else 2
+    out_shape = [
+        jax.ShapeDtypeStruct((bsz, k1, lanes), jnp.float32 if i % 2 == 0 else jnp.int32) for i in range(n_out)
+    ]
+    outs = pl.pallas_call(
+        functools.partial(_mgpu_kernel, k=k, vocab=vocab, block_v=bv, iota=iota),
+        out_shape=out_shape,
+        grid=(bsz, k1, pl.cdiv(vocab, bv)),
+        in_specs=in_specs,
+        out_specs=[vec] * n_out,
+        scratch_shapes=[plgpu.SMEM((lanes,), jnp.float32)] * (n_out // 2),
+        compiler_params=None
+        if interpret
+        else plgpu.CompilerParams(dimension_semantics=("parallel", "parallel", "sequential")),
+        interpret=interpret,
+        name="rejection_sampling_stats",
+    )(*args)
+    outs = [o[..., 0] for o in outs]
+    if k:
+        pa, p_idx, qa, r_idx = outs
+        return pa, qa[:, :k], r_idx[:, :k], p_idx
+    pa, p_idx = outs
+    return pa, jnp.zeros((bsz, 0), jnp.float32), jnp.zeros((bsz, 0), jnp.int32), p_idx
+
+
+# ----------------------------------------------------------------------------------------------
+# wrapper
+
+
+def default_backend() -> str:
+    """``"mosaic_tpu"`` on TPU, ``"triton"`` on GPU, ``"jnp"`` otherwise."""
+    platform = jax.default_backend()
+    return {"tpu": "mosaic_tpu", "gpu": "triton", "cuda": "triton", "rocm": "triton"}.get(platform, "jnp")
+
+
+def position_stats_pallas(draft_tokens, draft_probs, target_probs, exponentials, *, backend, tiles=None, interpret=False):
+    """Per-position statistics ``(pa, qa, r_idx, p_idx)`` from the Pallas kernel of ``backend``."""
+    tiles = tiles or RejectionTiles()
+    bsz, k = draft_tokens.shape
+    xp = jnp.concatenate([draft_tokens.astype(jnp.int32), jnp.full((bsz, 1), -1, jnp.int32)], axis=1)
+    if backend == "mosaic_tpu":
+        return _stats_tpu(xp, draft_probs, target_probs, exponentials, tiles, interpret)
+    if backend == "triton":
+        return _stats_triton(xp, draft_probs, target_probs, exponentials, tiles, interpret)
+    if backend == "mosaic_gpu":
+        return _stats_mosaic_gpu(xp, draft_probs, target_probs, exponentials, tiles, interpret)
+    raise ValueError(f"unknown Pallas backend {backend!r} (want 'mosaic_tpu', 'triton' or 'mosaic_gpu')")
+
+
+def rejection_sample_pallas(
+    draft_tokens,
+    draft_probs,
+    target_probs,
+    uniforms,
+    exponentials,
+    num_draft=None,
+    *,
+    backend: Optional[str] = "auto",
+    tiles: Optional[RejectionTiles] = None,
+    interpret: bool = False,
+) -> VerifyOutput:
+    """Batched rejection sampling; same inputs and result as
+    :func:`specjax.verify.rejection_sample_with_noise`.
+
+    Args:
+      draft_tokens: int32 ``[B, K]``; draft_probs: ``[B, K, V]``; target_probs: ``[B, K+1, V]``;
+      uniforms: float32 ``[B, K]``; exponentials: float32 ``[B, V]``; num_draft: int32 ``[B]``.
+      backend: ``"auto"`` (:func:`default_backend`), ``"mosaic_tpu"``, ``"triton"`` or ``"jnp"``.
+      tiles: :class:`RejectionTiles`.
+      interpret: run the kernel in the Pallas interpreter (any platform, e.g. CPU tests).
+    """
+    bsz, k = draft_tokens.shape
+    if backend in (None, "auto"):
+        backend = default_backend()
+    if backend == "jnp":
+        return rejection_sample_reference(draft_tokens, draft_probs, target_probs, uniforms, exponentials, num_draft)
+    stats = position_stats_pallas(
+        draft_tokens, draft_probs, target_probs, exponentials, backend=backend, tiles=tiles, interpret=interpret
+    )
+    return _epilogue(draft_tokens, uniforms, _nd(num_draft, bsz, k), *stats)

@@ -1,0 +1,502 @@
+"""Exact verification of draft tokens: rejection sampling, target-only sampling and greedy.
+
+Notation (DESIGN.md, "The math"): ``p_k`` target distribution and ``q_k`` draft distribution at draft
+position ``k`` (0-based here, ``k = 0..K-1``; ``p_K`` is the bonus distribution), ``K`` the padded
+draft length, ``V`` the vocabulary, ``num_draft[b] = l_b <= K`` the drafts row ``b`` verifies.
+
+**Rejection sampling** (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023, "speculative
+sampling"; Bebop §2, eq. 2). Draft ``x_k ~ q_k``. For ``k < l``: accept iff ``q_k(x_k) > 0`` and
+``u_k * q_k(x_k) < p_k(x_k)`` with ``u_k ~ U[0, 1)``. At the first rejection ``n`` emit
+``y ~ norm(max(0, p_n - q_n))``; if all ``l`` are accepted (``n = l``) emit the bonus ``y ~ p_l``.
+Then every emitted position is distributed exactly as the target alone would sample it, and
+``P(accept at k) = 1 - TV(p_k, q_k)``.
+
+**Target-only** (Bebop §2, the common "greedy draft" baseline). Draft ``x_k = argmax q_k``; accept
+iff ``u_k < p_k(x_k)``; on rejection emit ``y ~ p_n`` with ``x_n`` removed and renormalised; bonus
+``y ~ p_l``. Acceptance is ``p_k(argmax q_k)``.
+
+**Greedy** (temperature 0). Accept while ``x_k == argmax target_logits_k``; emit the target argmax
+at the first mismatch (or the bonus position). Equals greedy autoregressive decoding token for token.
+
+Randomness. Every sampler exists in two forms: a keyed form (``rejection_sample(key, ...)``) and a
+form over explicit random inputs (``rejection_sample_with_noise(..., uniforms, exponentials)``), which
+is what the keyed form calls, what tests pin, and what the Pallas kernel
+(``pallas_kernels/rejection_sampling.py``) takes. The inputs are
+
+* ``uniforms`` float32 ``[B, K]`` in ``[0, 1)`` -- one acceptance test per draft;
+* ``exponentials`` float32 ``[B, V]``, i.i.d. Exp(1), strictly positive -- *one* vector per row,
+  because a row emits exactly one sampled token (the correction at ``n`` or the bonus), and
+  ``n`` is decided by the uniforms alone, independently of this noise.
+
+The token is drawn with the *exponential race* ``argmax_v w_v / E_v`` (``w`` the unnormalised
+residual, or ``p`` for the bonus), see :mod:`specjax.sampling`. Why this and not an inverse CDF with
+one uniform per row: (i) it is exact without normalising ``w``, so a residual whose sum underflows
+cannot produce NaN or an index ``>= V``, and entries with ``w_v = 0`` (``p <= q``, top-k/top-p masked
+tokens) can never be emitted; (ii) it uses only elementwise ops and a max, so a tiled kernel, a padded
+and a flattened layout all pick *bit-identical* tokens for the same noise, whereas an inverse CDF
+depends on the summation order of a length-``V`` cumulative sum and disagrees with a tiled kernel near
+bucket boundaries. The cost is ``V`` random numbers per *row* (not per position: ``[B, V]``, not
+``[B, K+1, V]``), i.e. about ``1/(2K+1)`` of the probability bytes the verifier is handed.
+
+Residual underflow: if no entry of ``max(0, p_n - q_n) * (1/E)`` is positive (``p_n`` and ``q_n``
+agree to ~1e-36 everywhere, e.g. ``p == q`` up to rounding), the token is drawn from ``p_n`` with the
+same race instead. Never NaN, never outside ``[0, V)``.
+
+Cost of the ``jnp`` path: acceptance needs only the ``2K`` gathered scalars ``p_k(x_k), q_k(x_k)``
+per row, and the residual / bonus only the one row ``n`` of ``p`` and ``q``; nothing of size
+``[B, K, V]`` is materialised or even read. Rows run in parallel (vectorised; no Python loop over the
+batch).
+
+Layouts: the padded form takes ``[B, K]`` / ``[B, K, V]`` / ``[B, K+1, V]`` arrays plus per-row
+``num_draft`` (``0`` allowed). The flattened ragged form takes ``R`` rows packed into 1-D: the drafts
+of row ``r`` are flat entries ``draft_offsets[r] .. + num_draft[r]`` of ``draft_tokens [N]``,
+``draft_probs [N, V]`` and ``uniforms [N]``; its ``num_draft[r] + 1`` target distributions are rows
+``target_offsets[r] .. + num_draft[r] + 1`` of ``target_probs [M, V]`` (e.g. the logits of a flat
+verification batch, where row ``r``'s tokens ``[anchor, x_1..x_l]`` sit at ``target_offsets[r]``).
+It returns the same :class:`VerifyOutput` as the padded form for the same random inputs.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from specjax.sampling import exponential_noise
+
+__all__ = [
+    "VerifyOutput",
+    "rejection_sample",
+    "rejection_sample_with_noise",
+    "target_only_sample",
+    "target_only_sample_with_noise",
+    "greedy_verify",
+    "rejection_sample_flat",
+    "rejection_sample_flat_with_noise",
+    "target_only_sample_flat_with_noise",
+    "greedy_verify_flat",
+    "verify_noise",
+    "flat_offsets",
+    "flat_segment_ids",
+    "pack_flat",
+]
+
+
+class VerifyOutput(NamedTuple):
+    num_accepted: jax.Array  # int32 [B]: accepted draft tokens, 0..num_draft[b]
+    tokens: jax.Array  # int32 [B, K+1]: tokens[b, :num_accepted[b]+1] are emitted; the rest are -1
+
+
+# ----------------------------------------------------------------------------------------------
+# randomness
+
+
+def _row_keys(key: jax.Array, batch: int) -> jax.Array:
+    """A single key -> ``split(key, batch)``; a batch of keys ``[batch]`` is returned as is."""
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    single_ndim = 0 if typed else 1
+    if key.ndim == single_ndim:
+        return jax.random.split(key, batch)
+    if key.ndim == single_ndim + 1 and key.shape[0] == batch:
+        return key
+    raise ValueError(f"key must be one key or a batch of {batch} keys, got shape {key.shape}")
+
+
+def verify_noise(key: jax.Array, batch: int, num_draft_max: int, vocab: int) -> Tuple[jax.Array, jax.Array]:
+    """Random inputs of the explicit forms: ``(uniforms [B, K], exponentials [B, V])``.
+
+    ``key`` is one key (split into ``B`` row keys) or ``B`` row keys. Row ``b``'s noise depends only
+    on its own row key, so with per-row keys a row's result does not depend on the batch it is in.
+    """
+    keys = _row_keys(key, batch)
+
+    def one(k):
+        ku, ke = jax.random.split(k)
+        return (
+            jax.random.uniform(ku, (num_draft_max,), jnp.float32),
+            exponential_noise(ke, (vocab,)),
+        )
+
+    return jax.vmap(one)(keys)
+
+
+# ----------------------------------------------------------------------------------------------
+# shared pieces
+
+
+def _num_draft(num_draft, batch: int, k: int) -> jax.Array:
+    if num_draft is None:
+        return jnp.full((batch,), k, jnp.int32)
+    return jnp.clip(jnp.asarray(num_draft, jnp.int32), 0, k).reshape(batch)
+
+
+def _leading_true(accept: jax.Array) -> jax.Array:
+    """Number of leading True along the last axis (int32)."""
+    return jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
+
+
+def _emit(draft_tokens: jax.Array, n: jax.Array, last: jax.Array) -> VerifyOutput:
+    """tokens[b, j] = draft[b, j] for j < n, last[b] at j = n, -1 after."""
+    b, k = draft_tokens.shape
+    j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    padded = jnp.concatenate([draft_tokens.astype(jnp.int32), jnp.full((b, 1), -1, jnp.int32)], axis=1)
+    tokens = jnp.where(j < n[:, None], padded, jnp.where(j == n[:, None], last[:, None], -1))
+    return VerifyOutput(num_accepted=n, tokens=tokens.astype(jnp.int32))
+
+
+def _race_select(p_row, w_row, use_w, exponentials):
+    """Token from the race on ``w_row`` where ``use_w`` and it has a positive score, else on ``p_row``.
+
+    All ``[B, V]`` (``use_w`` ``[B]``). Returns int32 ``[B]`` in ``[0, V)``.
+    """
+    r = 1.0 / exponentials.astype(jnp.float32)
+    p_score = p_row * r
+    p_idx = jnp.argmax(p_score, axis=-1).astype(jnp.int32)
+    if w_row is None:
+        return p_idx
+    w_score = w_row * r
+    w_idx = jnp.argmax(w_score, axis=-1).astype(jnp.int32)
+    w_ok = jnp.take_along_axis(w_score, w_idx[:, None], axis=-1)[:, 0] > 0.0
+    return jnp.where(use_w & w_ok, w_idx, p_idx)
+
+
+def _gather_at(rows: jax.Array, row_idx: jax.Array, col_idx: jax.Array) -> jax.Array:
+    """rows[row_idx, col_idx] elementwise (float32), rows ``[M, V]``."""
+    return rows[row_idx, col_idx].astype(jnp.float32)
+
+
+def _rs_core(draft_tokens, q_rows, p_rows, d_idx, t_idx, uniforms, exponentials, num_draft, target_only):
+    """Rejection sampling (or target-only when ``q_rows is None``) over row-indexed storage.
+
+    draft_tokens int32 [B, K]; q_rows [N, V]; p_rows [M, V]; d_idx int32 [B, K] rows of q_rows;
+    t_idx int32 [B, K+1] rows of p_rows; uniforms [B, K]; exponentials [B, V]; num_draft int32 [B].
+    """
+    bsz, k = draft_tokens.shape
+    vocab = p_rows.shape[-1]
+    x = draft_tokens.astype(jnp.int32)
+    xs = jnp.clip(x, 0, vocab - 1)
+    active = (jnp.arange(k, dtype=jnp.int32)[None, :] < num_draft[:, None]) & (x >= 0) & (x < vocab)
+    pa = _gather_at(p_rows, t_idx[:, :k], xs)  # [B, K]
+    u = uniforms.astype(jnp.float32)
+    if target_only:
+        accept = active & (u < pa)
+    else:
+        qa = _gather_at(q_rows, d_idx, xs)  # [B, K]
+        accept = active & (qa > 0.0) & (u * qa < pa)
+    n = _leading_true(accept)  # [B]
+    rejected = n < num_draft
+    p_row = p_rows[jnp.take_along_axis(t_idx, n[:, None], axis=1)[:, 0]].astype(jnp.float32)  # [B, V]
+    if k == 0:
+        w_row = None
+    elif target_only:
+        x_n = jnp.take_along_axis(x, jnp.minimum(n, k - 1)[:, None], axis=1)
+        w_row = jnp.where(jnp.arange(vocab, dtype=jnp.int32)[None, :] == x_n, 0.0, p_row)
+    else:
+        q_row = q_rows[jnp.take_along_axis(d_idx, jnp.minimum(n, k - 1)[:, None], axis=1)[:, 0]]
+        w_row = jnp.maximum(p_row - q_row.astype(jnp.float32), 0.0)
+    y = _race_select(p_row, w_row, rejected, exponentials)
+    return _emit(x, n, y)
+
+
+def _padded_indices(bsz: int, k: int):
+    d_idx = jnp.arange(bsz * k, dtype=jnp.int32).reshape(bsz, k)
+    t_idx = jnp.arange(bsz * (k + 1), dtype=jnp.int32).reshape(bsz, k + 1)
+    return d_idx, t_idx
+
+
+def _check_padded(draft_tokens, draft_probs, target_probs):
+    if draft_tokens.ndim != 2:
+        raise ValueError(f"draft_tokens must be [B, K], got {draft_tokens.shape}")
+    bsz, k = draft_tokens.shape
+    if target_probs.ndim != 3 or target_probs.shape[:2] != (bsz, k + 1):
+        raise ValueError(f"target_probs must be [B, K+1, V] = [{bsz}, {k + 1}, V], got {target_probs.shape}")
+    if draft_probs is not None and draft_probs.shape != (bsz, k, target_probs.shape[-1]):
+        raise ValueError(f"draft_probs must be [B, K, V], got {draft_probs.shape} for target {target_probs.shape}")
+    return bsz, k, target_probs.shape[-1]
+
+
+# ----------------------------------------------------------------------------------------------
+# padded forms
+
+
+def rejection_sample_with_noise(
+    draft_tokens: jax.Array,
+    draft_probs: jax.Array,
+    target_probs: jax.Array,
+    uniforms: jax.Array,
+    exponentials: jax.Array,
+    num_draft: Optional[jax.Array] = None,
+) -> VerifyOutput:
+    """Rejection sampling over explicit random inputs (the form the Pallas kernel mirrors).
+
+    Args:
+      draft_tokens: int32 ``[B, K]``, ``x_k ~ q_k`` drawn from exactly ``draft_probs``.
+      draft_probs: float ``[B, K, V]`` (``q``; float32 recommended, read in its own dtype).
+      target_probs: float ``[B, K+1, V]`` (``p``; position ``K`` is the bonus distribution).
+      uniforms: float32 ``[B, K]`` in ``[0, 1)``.
+      exponentials: float32 ``[B, V]``, i.i.d. Exp(1), ``> 0`` (see :func:`verify_noise`).
+      num_draft: int32 ``[B]`` (default ``K``); row ``b`` verifies its first ``num_draft[b]`` drafts
+        and draws its correction / bonus from ``target_probs[b, num_accepted[b]]``.
+
+    Returns:
+      :class:`VerifyOutput` with ``num_accepted [B]`` and ``tokens [B, K+1]`` (``-1`` past the
+      emitted ones).
+    """
+    bsz, k, vocab = _check_padded(draft_tokens, draft_probs, target_probs)
+    d_idx, t_idx = _padded_indices(bsz, k)
+    return _rs_core(
+        draft_tokens,
+        draft_probs.reshape(bsz * k, vocab),
+        target_probs.reshape(bsz * (k + 1), vocab),
+        d_idx,
+        t_idx,
+        uniforms,
+        exponentials,
+        _num_draft(num_draft, bsz, k),
+        target_only=False,
+    )
+
+
+def rejection_sample(key, draft_tokens, draft_probs, target_probs, num_draft=None) -> VerifyOutput:
+    """Rejection sampling (Leviathan et al. 2023; Chen et al. 2023) with noise from ``key``.
+
+    ``key``: one PRNG key, or ``B`` per-row keys (then row ``b``'s result depends only on its own key
+    and inputs: batch invariant). Shapes as in :func:`rejection_sample_with_noise`.
+    """
+    bsz, k, vocab = _check_padded(draft_tokens, draft_probs, target_probs)
+    u, e = verify_noise(key, bsz, k, vocab)
+    return rejection_sample_with_noise(draft_tokens, draft_probs, target_probs, u, e, num_draft)
+
+
+def target_only_sample_with_noise(
+    draft_tokens: jax.Array,
+    target_probs: jax.Array,
+    uniforms: jax.Array,
+    exponentials: jax.Array,
+    num_draft: Optional[jax.Array] = None,
+) -> VerifyOutput:
+    """Target-only sampling over explicit random inputs.
+
+    ``draft_tokens`` int32 ``[B, K]`` (normally ``argmax q_k``); ``target_probs`` ``[B, K+1, V]``;
+    ``uniforms`` ``[B, K]``; ``exponentials`` ``[B, V]``; ``num_draft`` int32 ``[B]``. Accept iff
+    ``u_k < p_k(x_k)``; on rejection draw from ``p_n`` with ``x_n`` zeroed (renormalisation is
+    implicit in the race); bonus from ``p_l``.
+    """
+    bsz, k, vocab = _check_padded(draft_tokens, None, target_probs)
+    d_idx, t_idx = _padded_indices(bsz, k)
+    return _rs_core(
+        draft_tokens,
+        None,
+        target_probs.reshape(bsz * (k + 1), vocab),
+        d_idx,
+        t_idx,
+        uniforms,
+        exponentials,
+        _num_draft(num_draft, bsz, k),
+        target_only=True,
+    )
+
+
+def target_only_sample(key, draft_tokens, target_probs, num_draft=None) -> VerifyOutput:
+    """Target-only sampling (Bebop's baseline; acceptance ``p(argmax q)``) with noise from ``key``."""
+    bsz, k, vocab = _check_padded(draft_tokens, None, target_probs)
+    u, e = verify_noise(key, bsz, k, vocab)
+    return target_only_sample_with_noise(draft_tokens, target_probs, u, e, num_draft)
+
+
+def _greedy_core(draft_tokens, target_argmax, num_draft):
+    k = draft_tokens.shape[1]
+    x = draft_tokens.astype(jnp.int32)
+    active = jnp.arange(k, dtype=jnp.int32)[None, :] < num_draft[:, None]
+    n = _leading_true(active & (x == target_argmax[:, :k]))
+    y = jnp.take_along_axis(target_argmax, n[:, None], axis=1)[:, 0]
+    return _emit(x, n, y)
+
+
+def greedy_verify(draft_tokens: jax.Array, target_logits: jax.Array, num_draft=None) -> VerifyOutput:
+    """Greedy verification (temperature 0).
+
+    ``draft_tokens`` int32 ``[B, K]``; ``target_logits`` ``[B, K+1, V]`` (any float dtype; only the
+    argmax matters, first index on ties, as in greedy decoding); ``num_draft`` int32 ``[B]``.
+    Accept while ``x_k == argmax_k``; emit the target argmax at the first mismatch / bonus position.
+    """
+    bsz, k, _ = _check_padded(draft_tokens, None, target_logits)
+    target_argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
+    return _greedy_core(draft_tokens, target_argmax, _num_draft(num_draft, bsz, k))
+
+
+# ----------------------------------------------------------------------------------------------
+# flattened ragged forms
+
+
+def flat_offsets(num_draft: jax.Array) -> Tuple[jax.Array, jax.Array]:
+    """Dense packing of ``R`` rows: ``(draft_offsets [R], target_offsets [R])``.
+
+    Row ``r``'s ``num_draft[r]`` drafts start at the exclusive cumsum of ``num_draft``; its
+    ``num_draft[r] + 1`` target distributions at the exclusive cumsum of ``num_draft + 1``.
+    """
+    nd = jnp.asarray(num_draft, jnp.int32)
+    d_off = jnp.cumsum(nd) - nd
+    t_off = jnp.cumsum(nd + 1) - (nd + 1)
+    return d_off.astype(jnp.int32), t_off.astype(jnp.int32)
+
+
+def flat_segment_ids(offsets: jax.Array, lengths: jax.Array, size: int) -> Tuple[jax.Array, jax.Array]:
+    """``(segment_ids [size], positions [size])`` of a packed 1-D batch; padding gets ``-1, -1``.
+
+    Entry ``offsets[r] + j`` (``j < lengths[r]``) has segment ``r`` and position ``j``. The verifier
+    does not need these (offsets and lengths say the same); they are what attention masks use.
+    """
+    offsets = jnp.asarray(offsets, jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    i = jnp.arange(size, dtype=jnp.int32)[:, None]
+    inside = (i >= offsets[None, :]) & (i < offsets[None, :] + lengths[None, :])  # [size, R]
+    seg = jnp.where(jnp.any(inside, axis=1), jnp.argmax(inside, axis=1), -1).astype(jnp.int32)
+    pos = jnp.where(seg >= 0, i[:, 0] - offsets[jnp.maximum(seg, 0)], -1).astype(jnp.int32)
+    return seg, pos
+
+
+def _flat_indices(draft_offsets, target_offsets, num_draft, k, n_draft_rows, n_target_rows):
+    nd = num_draft[:, None]
+    j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    t_idx = jnp.clip(target_offsets[:, None] + jnp.minimum(j, nd), 0, max(n_target_rows - 1, 0))
+    d_idx = jnp.clip(
+        draft_offsets[:, None] + jnp.minimum(j[:, :k], jnp.maximum(nd - 1, 0)), 0, max(n_draft_rows - 1, 0)
+    )
+    return d_idx.astype(jnp.int32), t_idx.astype(jnp.int32)
+
+
+def _flat_prep(draft_tokens, target_probs, draft_offsets, target_offsets, num_draft, max_draft):
+    if draft_tokens.ndim != 1 or target_probs.ndim != 2:
+        raise ValueError(
+            f"flat form wants draft_tokens [N] and target_probs [M, V], got {draft_tokens.shape}, {target_probs.shape}"
+        )
+    rows = jnp.asarray(num_draft).shape[0]
+    nd = jnp.clip(jnp.asarray(num_draft, jnp.int32), 0, max_draft)
+    n_flat = draft_tokens.shape[0]
+    d_idx, t_idx = _flat_indices(
+        jnp.asarray(draft_offsets, jnp.int32),
+        jnp.asarray(target_offsets, jnp.int32),
+        nd,
+        max_draft,
+        n_flat,
+        target_probs.shape[0],
+    )
+    if n_flat == 0:  # no draft storage at all: every row must have num_draft 0
+        tokens = jnp.zeros((rows, max_draft), jnp.int32)
+    else:
+        tokens = draft_tokens.astype(jnp.int32)[d_idx]
+    return rows, nd, d_idx, t_idx, tokens
+
+
+def rejection_sample_flat_with_noise(
+    draft_tokens: jax.Array,
+    draft_probs: jax.Array,
+    target_probs: jax.Array,
+    draft_offsets: jax.Array,
+    target_offsets: jax.Array,
+    num_draft: jax.Array,
+    uniforms: jax.Array,
+    exponentials: jax.Array,
+    *,
+    max_draft: int,
+) -> VerifyOutput:
+    """Rejection sampling of ``R`` rows packed into 1-D (see the module docstring for the layout).
+
+    Args:
+      draft_tokens: int32 ``[N]``; draft_probs: ``[N, V]``; uniforms: float32 ``[N]`` -- row ``r``
+        at ``draft_offsets[r] + j``, ``j < num_draft[r]``; other entries are ignored (padding).
+      target_probs: ``[M, V]``, row ``r``'s ``p_j`` at ``target_offsets[r] + j``, ``j <= num_draft[r]``.
+      draft_offsets, target_offsets, num_draft: int32 ``[R]``.
+      exponentials: float32 ``[R, V]``.
+      max_draft: static ``K >= max(num_draft)``; the output is ``tokens [R, K+1]``.
+
+    Returns the :class:`VerifyOutput` that :func:`rejection_sample_with_noise` returns for the same
+    rows padded to ``K`` with the same uniforms and exponentials.
+    """
+    rows, nd, d_idx, t_idx, tokens = _flat_prep(
+        draft_tokens, target_probs, draft_offsets, target_offsets, num_draft, max_draft
+    )
+    vocab = target_probs.shape[-1]
+    q_rows = draft_probs if draft_probs.shape[0] else jnp.zeros((1, vocab), target_probs.dtype)
+    u = uniforms[d_idx] if uniforms.shape[0] else jnp.zeros((rows, max_draft), jnp.float32)
+    return _rs_core(tokens, q_rows, target_probs, d_idx, t_idx, u, exponentials, nd, target_only=False)
+
+
+def rejection_sample_flat(
+    key, draft_tokens, draft_probs, target_probs, draft_offsets, target_offsets, num_draft, *, max_draft: int
+) -> VerifyOutput:
+    """Keyed flat rejection sampling. With per-row keys ``[R]`` (or one key, split into ``R``) it
+    returns exactly what :func:`rejection_sample` returns for the padded rows and the same keys."""
+    rows = jnp.asarray(num_draft).shape[0]
+    vocab = target_probs.shape[-1]
+    u_pad, e = verify_noise(key, rows, max_draft, vocab)
+    nd = jnp.clip(jnp.asarray(num_draft, jnp.int32), 0, max_draft)
+    n_flat = draft_tokens.shape[0]
+    j = jnp.arange(max_draft, dtype=jnp.int32)[None, :]
+    dest = jnp.where(j < nd[:, None], jnp.asarray(draft_offsets, jnp.int32)[:, None] + j, n_flat)
+    u_flat = jnp.zeros((n_flat,), jnp.float32).at[dest].set(u_pad, mode="drop")
+    return rejection_sample_flat_with_noise(
+        draft_tokens,
+        draft_probs,
+        target_probs,
+        draft_offsets,
+        target_offsets,
+        num_draft,
+        u_flat,
+        e,
+        max_draft=max_draft,
+    )
+
+
+def target_only_sample_flat_with_noise(
+    draft_tokens, target_probs, draft_offsets, target_offsets, num_draft, uniforms, exponentials, *, max_draft: int
+) -> VerifyOutput:
+    """Target-only sampling in the flat layout (shapes as :func:`rejection_sample_flat_with_noise`)."""
+    rows, nd, d_idx, t_idx, tokens = _flat_prep(
+        draft_tokens, target_probs, draft_offsets, target_offsets, num_draft, max_draft
+    )
+    u = uniforms[d_idx] if uniforms.shape[0] else jnp.zeros((rows, max_draft), jnp.float32)
+    return _rs_core(tokens, None, target_probs, d_idx, t_idx, u, exponentials, nd, target_only=True)
+
+
+def greedy_verify_flat(
+    draft_tokens, target_logits, draft_offsets, target_offsets, num_draft, *, max_draft: int
+) -> VerifyOutput:
+    """Greedy verification in the flat layout: ``draft_tokens [N]``, ``target_logits [M, V]``."""
+    _, nd, _, t_idx, tokens = _flat_prep(
+        draft_tokens, target_logits, draft_offsets, target_offsets, num_draft, max_draft
+    )
+    target_argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)[t_idx]  # [R, K+1]
+    return _greedy_core(tokens, target_argmax, nd)
+
+
+def pack_flat(draft_tokens, draft_probs, target_probs, uniforms, num_draft, *, num_draft_slots=None, num_target_slots=None):
+    """Pack padded rows into the dense flat layout (a test / engine helper).
+
+    Inputs are the padded-form arrays (``draft_probs`` may be ``None``); returns a dict with
+    ``draft_tokens [N]``, ``draft_probs [N, V]`` (if given), ``target_probs [M, V]``, ``uniforms [N]``,
+    ``draft_offsets [R]``, ``target_offsets [R]``, ``num_draft [R]``, where ``N`` / ``M`` default to
+    ``B*K`` / ``B*(K+1)`` (bucket sizes; unused slots are zero / -1).
+    """
+    bsz, k = draft_tokens.shape
+    nd = _num_draft(num_draft, bsz, k)
+    d_off, t_off = flat_offsets(nd)
+    n_slots = bsz * k if num_draft_slots is None else num_draft_slots
+    m_slots = bsz * (k + 1) if num_target_slots is None else num_target_slots
+    j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    d_dest = jnp.where(j[:, :k] < nd[:, None], d_off[:, None] + j[:, :k], n_slots)
+    t_dest = jnp.where(j <= nd[:, None], t_off[:, None] + j, m_slots)
+    vocab = target_probs.shape[-1]
+    out = dict(
+        draft_tokens=jnp.full((n_slots,), -1, jnp.int32).at[d_dest].set(draft_tokens.astype(jnp.int32), mode="drop"),
+        target_probs=jnp.zeros((m_slots, vocab), target_probs.dtype).at[t_dest].set(target_probs, mode="drop"),
+        uniforms=jnp.zeros((n_slots,), jnp.float32).at[d_dest].set(uniforms.astype(jnp.float32), mode="drop"),
+        draft_offsets=d_off,
+        target_offsets=t_off,
+        num_draft=nd,
+    )
+    if draft_probs is not None:
+        out["draft_probs"] = jnp.zeros((n_slots, vocab), draft_probs.dtype).at[d_dest].set(draft_probs, mode="drop")
+    return out
