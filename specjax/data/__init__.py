@@ -31,7 +31,7 @@ _EXPORTS = {
     "prepare_default_data": "tfds_builder",
     # input pipeline
     "DataIterator": "pipeline", "make_train_iterator": "pipeline",
-    "make_eval_batches": "pipeline", "pack_documents": "pipeline",
+    "make_eval_batches": "pipeline", "BATCH_KEYS": "pipeline",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -30,12 +30,12 @@ without separators; regenerate with ``python -m specjax.data.corpus --stats``):
 =======  =======  ==========  ======  ==========
 domain   split    bytes       docs    tokens
 =======  =======  ==========  ======  ==========
-math     train    1,915,565   11,420  824,917
-math     heldout  99,733      593     42,992
-code     train    2,849,749   1,763   1,077,339
-code     heldout  150,024     94      57,101
-prose    train    1,710,564   1,097   469,565
-prose    heldout  95,007      60      26,162
+math     train    1,904,826   11,325  668,723
+math     heldout  94,667      563     33,269
+code     train    2,786,996   1,785   892,772
+code     heldout  212,964     135     69,839
+prose    train    1,770,729   1,140   609,088
+prose    heldout  101,523     66      35,375
 =======  =======  ==========  ======  ==========
 
 The corpus depends on the interpreter's standard library, so other Python versions give somewhat

@@ -11,7 +11,7 @@ and the document separator (the input pipeline also uses it as the beginning-of-
 ``<|pad|>`` (id 1) fills padded positions (always masked out of the loss).
 
 Training is deterministic (same corpus + settings -> byte-identical ``tokenizer.json``) and takes
-~10-20 s for the default corpus on 2 CPU cores.
+3-15 s for the default corpus on 2 CPU cores (the Rust trainer; more when the cores are busy).
 
 :func:`load_tokenizer` wraps any Hugging Face ``tokenizer.json`` the same way, so a pretrained
 model's tokenizer plugs into the same pipeline.
