@@ -12,8 +12,8 @@ Documents. Each document becomes ``<|endoftext|> text <|endoftext|>`` (EOS doubl
 beginning-of-document token) and is turned into next-token pairs *before* packing:
 ``inputs = ids[:-1]``, ``targets = ids[1:]``, so no target ever crosses a document boundary.
 A document longer than ``T`` is cut into consecutive pieces of ``T`` pairs (each piece restarts
-at position 0; pieces of one document are never packed across rows). Packing puts whole pieces
-into rows first-fit; the leftover tail of a row is padding.
+at position 0). Packing puts whole pieces into rows first-fit (a piece is never split across
+rows); the leftover tail of a row is padding.
 
 Batch (numpy, one dict per step)::
 

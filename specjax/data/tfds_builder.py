@@ -281,7 +281,8 @@ def prepare_default_data(data_dir: str | os.PathLike, vocab_size: int = 2048, *,
     vocabulary size and ``max_docs`` were built and the files are still there; otherwise (or with
     ``force``) rebuilds this function's own outputs (``tokenizer.json`` and
     ``data_dir/specjax_corpus``), leaving anything else in ``data_dir`` alone.
-    The first full build takes well under two minutes on 2 CPU cores.
+    The first full build takes 5-20 s on 2 CPU cores. On several hosts sharing a filesystem,
+    call it from one process (e.g. ``jax.process_index() == 0``) and wait for it elsewhere.
     """
     data_dir = os.path.abspath(os.fspath(data_dir))
     os.makedirs(data_dir, exist_ok=True)
