@@ -290,3 +290,6 @@ def test_package_exports_resolve_lazily():
         assert getattr(data_pkg, name) is not None
     with pytest.raises(AttributeError):
         data_pkg.no_such_name
+    from specjax.data import math_problems  # the submodule, whatever was imported before
+
+    assert callable(math_problems.math_problems)

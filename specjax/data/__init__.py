@@ -18,9 +18,10 @@ _EXPORTS = {
     # corpus
     "DOMAINS": "corpus", "SPLITS": "corpus", "Document": "corpus", "load_corpus": "corpus",
     "load_documents": "corpus", "corpus_fingerprint": "corpus",
-    # math problems
-    "MathProblem": "math_problems", "math_problems": "math_problems",
-    "extract_answer": "math_problems", "check_answer": "math_problems",
+    # math problems (the generator itself is `specjax.data.math_problems.math_problems`: the
+    # package attribute `math_problems` is the submodule, so it cannot also be the function)
+    "MathProblem": "math_problems", "extract_answer": "math_problems",
+    "check_answer": "math_problems",
     # tokenizer
     "Tokenizer": "tokenizer", "train_tokenizer": "tokenizer", "load_tokenizer": "tokenizer",
     "EOS_TOKEN": "tokenizer", "PAD_TOKEN": "tokenizer",
