@@ -128,8 +128,9 @@ def config_from_hf(hf_config: Union[dict, Any], *, dtype: Optional[str] = None) 
                          "layer_types); specjax attends to the full context")
 
     rope = _rope_dict(hf)
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"partial_rotary_factor={rope['partial_rotary_factor']} is not supported")
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor")) or 1.0
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported (RoPE on all dims)")
     rope_type = rope.get("rope_type") or "default"
     if rope_type == "default":
         scaling = None
@@ -141,15 +142,19 @@ def config_from_hf(hf_config: Union[dict, Any], *, dtype: Optional[str] = None) 
     else:
         raise ValueError(f"rope_type {rope_type!r} is not supported (only 'default' and 'llama3')")
 
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads")
+    absent = [k for k in required if hf.get(k) is None]
+    if absent:
+        raise ValueError(f"HF config lacks required keys {absent}")
     heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
     head_dim = hf.get("head_dim")
     if head_dim is None:  # Mirror transformers' defaults: Qwen3Config 128, LlamaConfig D / H.
         head_dim = 128 if model_type == "qwen3" else hidden // heads
-    if dtype is None:
-        declared = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
-        dtype = declared.removeprefix("torch.") if declared.removeprefix("torch.") in _NP_DTYPES \
-            else "float32"
+    if dtype is None:  # "bfloat16", or "torch.bfloat16" from a transformers config object.
+        declared = str(hf.get("dtype") or hf.get("torch_dtype") or "").removeprefix("torch.")
+        dtype = declared if declared in _NP_DTYPES else "float32"
     return ModelConfig(
         vocab_size=int(hf["vocab_size"]),
         hidden_size=hidden,
@@ -178,7 +183,7 @@ def config_to_hf(config: ModelConfig, **extra) -> dict:
     (``rope_theta``, ``rope_scaling``, ``torch_dtype``) so that transformers 4.x reads it too.
     """
     c = config
-    if c.architecture == "qwen3" and not c.qk_norm or c.architecture == "llama" and c.qk_norm:
+    if c.qk_norm != (c.architecture == "qwen3"):
         raise ValueError(f"architecture {c.architecture!r} with qk_norm={c.qk_norm} has no HF "
                          f"equivalent (Qwen3 has QK-norm, Llama does not)")
     rope = {"rope_type": "default", "rope_theta": c.rope_theta}
@@ -249,14 +254,10 @@ def hf_tensor_specs(config: ModelConfig) -> list[TensorSpec]:
     specs = [TensorSpec("model.embed_tokens.weight", ("embed",), (v, d), (v, d), False)]
     for i in range(c.num_layers):
         p, a, m = f"model.layers.{i}.", ("layers", i, "attn"), ("layers", i, "mlp")
-        specs += [
-            TensorSpec(p + "self_attn.q_proj.weight", a + ("q_proj",), (h * dh, d), (d, h, dh), True),
-            TensorSpec(p + "self_attn.k_proj.weight", a + ("k_proj",), (kvh * dh, d), (d, kvh, dh),
-                       True),
-            TensorSpec(p + "self_attn.v_proj.weight", a + ("v_proj",), (kvh * dh, d), (d, kvh, dh),
-                       True),
-            TensorSpec(p + "self_attn.o_proj.weight", a + ("o_proj",), (d, h * dh), (h, dh, d), True),
-        ]
+        q_shapes = {"q": ((h * dh, d), (d, h, dh)), "k": ((kvh * dh, d), (d, kvh, dh)),
+                    "v": ((kvh * dh, d), (d, kvh, dh)), "o": ((d, h * dh), (h, dh, d))}
+        specs += [TensorSpec(p + f"self_attn.{n}_proj.weight", a + (f"{n}_proj",), hf_shape,
+                             shape, True) for n, (hf_shape, shape) in q_shapes.items()]
         if c.qk_norm:
             specs += [TensorSpec(p + f"self_attn.{n}_norm.weight", a + (f"{n}_norm", "scale"),
                                  (dh,), (dh,), False) for n in ("q", "k")]
