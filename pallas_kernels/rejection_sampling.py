@@ -139,6 +139,7 @@ def _nd(num_draft, bsz, k):
     return jnp.clip(jnp.asarray(num_draft, jnp.int32), 0, k).reshape(bsz)
 
 
+@jax.jit
 def rejection_sample_reference(
     draft_tokens, draft_probs, target_probs, uniforms, exponentials, num_draft=None
 ) -> VerifyOutput:
@@ -452,6 +453,7 @@ def position_stats_pallas(draft_tokens, draft_probs, target_probs, exponentials,
     raise ValueError(f"unknown Pallas backend {backend!r} (want 'mosaic_tpu', 'triton' or 'mosaic_gpu')")
 
 
+@functools.partial(jax.jit, static_argnames=("backend", "tiles", "interpret"))
 def rejection_sample_pallas(
     draft_tokens,
     draft_probs,

@@ -37,6 +37,8 @@ ArrayLike = Union[jax.Array, float, int]
 __all__ = [
     "logits_to_probs",
     "exponential_noise",
+    "exponential_from_bits",
+    "uniform_from_bits",
     "race_argmax",
     "sample",
 ]
@@ -131,10 +133,20 @@ def exponential_noise(key: jax.Array, shape) -> jax.Array:
     small ``E`` that decide a race) have float32 *relative* precision down to ``2**-33``; a plain
     23-bit uniform would quantise the race winners' ``E`` and bias large vocabularies towards low ids.
     """
-    bits = jax.random.bits(key, shape, jnp.uint32)
+    return exponential_from_bits(jax.random.bits(key, shape, jnp.uint32))
+
+
+def exponential_from_bits(bits: jax.Array) -> jax.Array:
+    """Exp(1) samples from uint32 random bits (see :func:`exponential_noise`); in ``[1.2e-10, 16.7]``."""
     v = (bits.astype(jnp.float32) + 0.5) * jnp.float32(2.0**-32)
     v = jnp.minimum(v, jnp.float32(1.0 - 2.0**-24))
     return -jnp.log1p(-v)
+
+
+def uniform_from_bits(bits: jax.Array) -> jax.Array:
+    """Uniform ``[0, 1)`` float32 from uint32 random bits (23 mantissa bits, as ``jax.random.uniform``)."""
+    mant = jax.lax.shift_right_logical(bits, jnp.uint32(9)) | jnp.uint32(0x3F800000)
+    return jax.lax.bitcast_convert_type(mant, jnp.float32) - 1.0
 
 
 def race_argmax(weights: jax.Array, exponentials: jax.Array) -> jax.Array:

@@ -57,12 +57,13 @@ It returns the same :class:`VerifyOutput` as the padded form for the same random
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import exponential_noise
+from specjax.sampling import exponential_from_bits, uniform_from_bits
 
 __all__ = [
     "VerifyOutput",
@@ -103,6 +104,7 @@ def _row_keys(key: jax.Array, batch: int) -> jax.Array:
     raise ValueError(f"key must be one key or a batch of {batch} keys, got shape {key.shape}")
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def verify_noise(key: jax.Array, batch: int, num_draft_max: int, vocab: int) -> Tuple[jax.Array, jax.Array]:
     """Random inputs of the explicit forms: ``(uniforms [B, K], exponentials [B, V])``.
 
@@ -111,12 +113,9 @@ def verify_noise(key: jax.Array, batch: int, num_draft_max: int, vocab: int) -> 
     """
     keys = _row_keys(key, batch)
 
-    def one(k):
-        ku, ke = jax.random.split(k)
-        return (
-            jax.random.uniform(ku, (num_draft_max,), jnp.float32),
-            exponential_noise(ke, (vocab,)),
-        )
+    def one(k):  # one stream of K + V random words per row
+        bits = jax.random.bits(k, (num_draft_max + vocab,), jnp.uint32)
+        return uniform_from_bits(bits[:num_draft_max]), exponential_from_bits(bits[num_draft_max:])
 
     return jax.vmap(one)(keys)
 
@@ -220,6 +219,7 @@ def _check_padded(draft_tokens, draft_probs, target_probs):
 # padded forms
 
 
+@jax.jit
 def rejection_sample_with_noise(
     draft_tokens: jax.Array,
     draft_probs: jax.Array,
@@ -258,6 +258,7 @@ def rejection_sample_with_noise(
     )
 
 
+@jax.jit
 def rejection_sample(key, draft_tokens, draft_probs, target_probs, num_draft=None) -> VerifyOutput:
     """Rejection sampling (Leviathan et al. 2023; Chen et al. 2023) with noise from ``key``.
 
@@ -269,6 +270,7 @@ def rejection_sample(key, draft_tokens, draft_probs, target_probs, num_draft=Non
     return rejection_sample_with_noise(draft_tokens, draft_probs, target_probs, u, e, num_draft)
 
 
+@jax.jit
 def target_only_sample_with_noise(
     draft_tokens: jax.Array,
     target_probs: jax.Array,
@@ -298,6 +300,7 @@ def target_only_sample_with_noise(
     )
 
 
+@jax.jit
 def target_only_sample(key, draft_tokens, target_probs, num_draft=None) -> VerifyOutput:
     """Target-only sampling (Bebop's baseline; acceptance ``p(argmax q)``) with noise from ``key``."""
     bsz, k, vocab = _check_padded(draft_tokens, None, target_probs)
@@ -314,6 +317,7 @@ def _greedy_core(draft_tokens, target_argmax, num_draft):
     return _emit(x, n, y)
 
 
+@jax.jit
 def greedy_verify(draft_tokens: jax.Array, target_logits: jax.Array, num_draft=None) -> VerifyOutput:
     """Greedy verification (temperature 0).
 
@@ -330,6 +334,7 @@ def greedy_verify(draft_tokens: jax.Array, target_logits: jax.Array, num_draft=N
 # flattened ragged forms
 
 
+@jax.jit
 def flat_offsets(num_draft: jax.Array) -> Tuple[jax.Array, jax.Array]:
     """Dense packing of ``R`` rows: ``(draft_offsets [R], target_offsets [R])``.
 
@@ -342,6 +347,7 @@ def flat_offsets(num_draft: jax.Array) -> Tuple[jax.Array, jax.Array]:
     return d_off.astype(jnp.int32), t_off.astype(jnp.int32)
 
 
+@functools.partial(jax.jit, static_argnames=("size",))
 def flat_segment_ids(offsets: jax.Array, lengths: jax.Array, size: int) -> Tuple[jax.Array, jax.Array]:
     """``(segment_ids [size], positions [size])`` of a packed 1-D batch; padding gets ``-1, -1``.
 
@@ -390,6 +396,7 @@ def _flat_prep(draft_tokens, target_probs, draft_offsets, target_offsets, num_dr
     return rows, nd, d_idx, t_idx, tokens
 
 
+@functools.partial(jax.jit, static_argnames=("max_draft",))
 def rejection_sample_flat_with_noise(
     draft_tokens: jax.Array,
     draft_probs: jax.Array,
@@ -424,6 +431,7 @@ def rejection_sample_flat_with_noise(
     return _rs_core(tokens, q_rows, target_probs, d_idx, t_idx, u, exponentials, nd, target_only=False)
 
 
+@functools.partial(jax.jit, static_argnames=("max_draft",))
 def rejection_sample_flat(
     key, draft_tokens, draft_probs, target_probs, draft_offsets, target_offsets, num_draft, *, max_draft: int
 ) -> VerifyOutput:
@@ -450,6 +458,7 @@ def rejection_sample_flat(
     )
 
 
+@functools.partial(jax.jit, static_argnames=("max_draft",))
 def target_only_sample_flat_with_noise(
     draft_tokens, target_probs, draft_offsets, target_offsets, num_draft, uniforms, exponentials, *, max_draft: int
 ) -> VerifyOutput:
@@ -461,6 +470,7 @@ def target_only_sample_flat_with_noise(
     return _rs_core(tokens, None, target_probs, d_idx, t_idx, u, exponentials, nd, target_only=True)
 
 
+@functools.partial(jax.jit, static_argnames=("max_draft",))
 def greedy_verify_flat(
     draft_tokens, target_logits, draft_offsets, target_offsets, num_draft, *, max_draft: int
 ) -> VerifyOutput:
@@ -472,6 +482,7 @@ def greedy_verify_flat(
     return _greedy_core(tokens, target_argmax, nd)
 
 
+@functools.partial(jax.jit, static_argnames=("num_draft_slots", "num_target_slots"))
 def pack_flat(draft_tokens, draft_probs, target_probs, uniforms, num_draft, *, num_draft_slots=None, num_target_slots=None):
     """Pack padded rows into the dense flat layout (a test / engine helper).
 

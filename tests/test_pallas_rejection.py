@@ -1,0 +1,138 @@
+"""pallas_kernels.rejection_sampling: the kernels (run by the Pallas interpreter on CPU) return the same
+tokens as the jnp verifier for the same random inputs, and they lower for TPU (Mosaic), GPU (Triton)
+and GPU (Mosaic GPU) without the hardware.
+
+What "lowers" checks: Pallas -> Mosaic TPU MLIR / Triton IR / Mosaic GPU MLIR with each backend's own
+lowering rules (block-shape rules, supported primitives, TMA constraints), embedded in the
+``tpu_custom_call`` / ``__gpu$xla.gpu.triton`` / ``mosaic_gpu`` custom call. Compiling that to device
+code needs libtpu or CUDA and is not exercised here.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import rejection_sampling as RS
+from specjax import verify as V
+
+
+def make_inputs(seed, b, k, vocab):
+    """Inputs that exercise every branch: rejections at each position, p == q rows (all accepted,
+    zero residual), rows whose residual is exactly zero although they reject (fallback to p), q(x) = 0
+    drafts, mixed num_draft including 0 and K, and mass in the vocab tail."""
+    rng = np.random.default_rng(seed)
+
+    def softmax(z):
+        z = np.exp(z - z.max(-1, keepdims=True))
+        return z / z.sum(-1, keepdims=True)
+
+    p = softmax(3 * rng.normal(size=(b, k + 1, vocab))).astype(np.float32)
+    q = softmax(3 * rng.normal(size=(b, k, vocab))).astype(np.float32)
+    q = (0.6 * p[:, :k] + 0.4 * q).astype(np.float32)
+    x = np.argmax(q + rng.gumbel(size=q.shape) * 0.05, -1).astype(np.int32)
+    if b > 1 and k:
+        q[1] = p[1, :k]  # p == q
+    if b > 2 and k:
+        p[2, :k] = q[2] * np.float32(0.9)  # rejects, residual exactly 0 -> fallback to p
+    if b > 3 and k:
+        x[3, 0] = vocab - 1
+        q[3, 0, vocab - 1] = 0.0  # q(x) = 0 -> reject
+        p[3, 0, vocab - 1] = 0.5  # a residual entry in the last, partial tile
+    u = rng.random((b, k), dtype=np.float32)
+    if b > 2 and k:
+        u[2, 0] = 0.95  # u * q >= 0.9 q: row 2 rejects at 0 with an all-zero residual
+    e = np.maximum(rng.exponential(size=(b, vocab)), 1e-30).astype(np.float32)
+    nd = rng.integers(0, k + 1, b).astype(np.int32)
+    nd[0] = 0
+    if b > 1:
+        nd[1:4] = k
+    return tuple(jnp.asarray(a) for a in (x, q, p, u, e, nd))
+
+
+def assert_same(a, b, msg=""):
+    np.testing.assert_array_equal(np.asarray(a.num_accepted), np.asarray(b.num_accepted), err_msg=msg)
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens), err_msg=msg)
+
+
+SHAPES = [(6, 3, 130), (5, 2, 8193), (2, 0, 300)]
+
+
+@pytest.mark.parametrize("b,k,vocab", SHAPES + [(2, 2, 151936)])
+def test_reference_matches_verify(b, k, vocab):
+    args = make_inputs(b * 1000 + vocab, b, k, vocab)
+    ref = RS.rejection_sample_reference(*args)
+    assert_same(ref, V.rejection_sample_with_noise(*args))
+    if k:
+        assert (np.asarray(ref.num_accepted) <= np.asarray(args[-1])).all()
+        assert int(ref.num_accepted[1]) == k  # p == q row accepts everything
+        assert int(ref.num_accepted[2]) == 0 and float(args[2][2, 0, int(ref.tokens[2, 0])]) > 0  # fallback to p
+        assert int(ref.num_accepted[3]) == 0  # q(x) = 0 rejects
+    assert_same(RS.rejection_sample_pallas(*args, backend="auto"), ref)  # CPU -> jnp
+
+
+@pytest.mark.parametrize("backend", ["mosaic_tpu", "triton", "mosaic_gpu"])
+@pytest.mark.parametrize("b,k,vocab", SHAPES)
+def test_kernel_interpret_matches_jnp(backend, b, k, vocab):
+    args = make_inputs(b * 1000 + vocab, b, k, vocab)
+    got = RS.rejection_sample_pallas(*args, backend=backend, interpret=True)
+    assert_same(got, V.rejection_sample_with_noise(*args), msg=backend)
+
+
+@pytest.mark.parametrize("backend", ["mosaic_tpu", "triton"])
+def test_kernel_interpret_large_vocab(backend):
+    b, k, vocab = 2, 2, 151936
+    args = make_inputs(7, b, k, vocab)
+    tiles = RS.RejectionTiles(block_v=8192, triton_block_v=8192)
+    got = RS.rejection_sample_pallas(*args, backend=backend, interpret=True, tiles=tiles)
+    assert_same(got, V.rejection_sample_with_noise(*args), msg=backend)
+
+
+def test_kernel_stats_match_reference_and_tiles():
+    b, k, vocab = 3, 2, 1000
+    x, q, p, u, e, nd = make_inputs(11, b, k, vocab)
+    ref = RS.position_stats_reference(x, q, p, e)
+    for tiles in (RS.RejectionTiles(block_v=128), RS.RejectionTiles(block_v=384)):
+        got = RS.position_stats_pallas(x, q, p, e, backend="mosaic_tpu", tiles=tiles, interpret=True)
+        for g, r in zip(got, ref):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+    with pytest.raises(ValueError):
+        RS.RejectionTiles(block_v=100)
+    with pytest.raises(ValueError):
+        RS.RejectionTiles(triton_block_v=1000)
+    assert RS.default_backend() == "jnp"
+
+
+def _abstract(b, k, vocab, dtype=jnp.float32):
+    s = jax.ShapeDtypeStruct
+    return (s((b, k), jnp.int32), s((b, k, vocab), dtype), s((b, k + 1, vocab), dtype), s((b, k), jnp.float32),
+            s((b, vocab), jnp.float32), s((b,), jnp.int32))
+
+
+LOWERINGS = {
+    "mosaic_tpu": ("tpu", "tpu_custom_call"),
+    "triton": ("cuda", "__gpu$xla.gpu.triton"),
+    "mosaic_gpu": ("cuda", "mosaic_gpu"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Using ``pl.pallas_call`` for Mosaic GPU kernels is deprecated")
+@pytest.mark.parametrize("backend", list(LOWERINGS))
+@pytest.mark.parametrize("b,k,vocab", [(8, 4, 151936), (4, 0, 8193), (3, 7, 8193)])
+def test_lowering(backend, b, k, vocab):
+    platform, marker = LOWERINGS[backend]
+    lowered = RS.rejection_sample_pallas.trace(*_abstract(b, k, vocab), backend=backend).lower(
+        lowering_platforms=(platform,)
+    )
+    text = lowered.as_text()
+    assert marker in text, f"{backend}: no {marker} custom call in the lowered module"
+
+
+@pytest.mark.parametrize("backend", list(LOWERINGS))
+def test_lowering_bf16_inputs(backend):
+    platform, marker = LOWERINGS[backend]
+    lowered = RS.rejection_sample_pallas.trace(*_abstract(2, 3, 32000, jnp.bfloat16), backend=backend).lower(
+        lowering_platforms=(platform,)
+    )
+    assert marker in lowered.as_text()
