@@ -67,8 +67,9 @@ def test_reference_matches_verify(b, k, vocab):
     if k:
         assert (np.asarray(ref.num_accepted) <= np.asarray(args[-1])).all()
         assert int(ref.num_accepted[1]) == k  # p == q row accepts everything
-        assert int(ref.num_accepted[2]) == 0 and float(args[2][2, 0, int(ref.tokens[2, 0])]) > 0  # fallback to p
-        assert int(ref.num_accepted[3]) == 0  # q(x) = 0 rejects
+        if b > 3:
+            assert int(ref.num_accepted[2]) == 0 and float(args[2][2, 0, int(ref.tokens[2, 0])]) > 0  # fallback to p
+            assert int(ref.num_accepted[3]) == 0  # q(x) = 0 rejects
     assert_same(RS.rejection_sample_pallas(*args, backend="auto"), ref)  # CPU -> jnp
 
 

@@ -426,6 +426,10 @@ def test_negative_control_bf16_drafts():
     # drafted probabilities by up to ~13%
     Q = _bigram(rng, vocab, 1.0)
     P = 0.3 * _bigram(rng, vocab, 1.0) + 0.7 * Q  # a target close to the drafter
+    joint = _joint(P, length, vocab)
     seqs = spec_decode(P, Q, 200_000, length, k, seed=52, draft_dtype=jnp.bfloat16)
-    res = chisquare_gof(counts_of(_seq_ids(seqs, vocab), vocab**length), _joint(P, length, vocab), check=False)
+    res = chisquare_gof(counts_of(_seq_ids(seqs, vocab), vocab**length), joint, check=False)
     assert not res.passed and res.pvalue < 1e-12, f"bf16-drafting bias was not caught: {res}"
+    # positive control: the identical setup with drafts from the f32 q passes
+    seqs = spec_decode(P, Q, 200_000, length, k, seed=52)
+    chisquare_gof(counts_of(_seq_ids(seqs, vocab), vocab**length), joint, label="f32 drafts (positive control)")
