@@ -1,0 +1,378 @@
+"""The training loop: sharded init, a jitted donating train step, eval, checkpoints, metrics.
+
+Usage::
+
+    trainer = Trainer(config, workdir="/tmp/run")          # validates config, builds mesh + jit fns
+    state = trainer.train(train_iter, eval_batches)          # resumes from workdir if possible
+    trainer.last_eval                                        # {domain: {"ce": ..., ...}}
+
+Everything on the device is a pure function of pytrees (DESIGN invariant 3):
+
+* :class:`TrainState` ``(step, params, opt_state, rng)`` is created by
+  ``jax.jit(init_fn, out_shardings=state_shardings)`` — born sharded, and with exactly the
+  shardings the train step takes and returns, so the step compiles once;
+* the step is ``jax.jit(step_fn, donate_argnums=0)``: the old state's buffers are reused;
+* ``frozen`` (the task's non-trained pytree) is placed once and passed to every step
+  (not donated, not differentiated, not checkpointed).
+
+Gradient accumulation splits the global batch ``[B, ...]`` into ``M`` microbatches by *strided*
+rows (``x.reshape(B/M, M, ...).swapaxes(0, 1)``), so each microbatch is spread over every device
+like the full batch, and ``lax.scan``s over them. Microbatch losses / gradients are combined by the
+task's ``loss_weight`` (tokens), so ``M`` microbatches give the full-batch gradient of a
+token-mean loss up to float summation order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from specjax.training import checkpoint as ckpt_lib
+from specjax.training import inputs as inputs_lib
+from specjax.training import metrics as metrics_lib
+from specjax.training import sharding as sharding_lib
+from specjax.training.config import ConfigError, validate_config
+from specjax.training.optimizer import current_learning_rate, make_optimizer
+from specjax.training.tasks import LOSS_WEIGHT, TrainTask, make_task
+
+PyTree = Any
+# Called after every step (after any checkpoint save was started): hook(trainer, step, state).
+StepHook = Callable[["Trainer", int, "TrainState"], None]
+
+
+class TrainState(NamedTuple):
+    """Everything a resumed run needs from the device.
+
+    step: int32 ``[]`` — optimizer steps taken.
+    params: the task's trained pytree.
+    opt_state: optax state (its ``hyperparams["learning_rate"]`` is the LR of the last update).
+    rng: uint32 ``[2]`` raw PRNG key; split once per step (part goes to the loss).
+    """
+
+    step: jax.Array
+    params: PyTree
+    opt_state: PyTree
+    rng: jax.Array
+
+
+def _is_leaf_sharding(x) -> bool:
+    return isinstance(x, NamedSharding)
+
+
+def split_microbatches(x: jax.Array, num: int) -> jax.Array:
+    """``[B, ...] -> [num, B // num, ...]``, microbatch ``i`` = rows ``i, i + num, ...``."""
+    return x.reshape((x.shape[0] // num, num) + x.shape[1:]).swapaxes(0, 1)
+
+
+class Trainer:
+    """Owns the mesh, shardings, optimizer, jitted functions, checkpoints and metric files.
+
+    Args:
+      config: a training config (validated here against :func:`default_config`'s schema, the
+        device count and the process count).
+      workdir: where ``checkpoints/``, ``metrics.jsonl``, ``loss_curve.png`` go. ``None`` disables
+        checkpointing and files (in-memory runs, e.g. tests of the step).
+      task: defaults to the registered task named by ``config.task.name``.
+      mesh: defaults to :func:`sharding.make_mesh` over all devices with ``config.mesh``.
+    """
+
+    def __init__(self, config: Any, *, workdir: Optional[str] = None,
+                 task: Optional[TrainTask] = None, mesh: Optional[Mesh] = None):
+        num_devices = mesh.devices.size if mesh is not None else jax.device_count()
+        self.config = validate_config(config, num_devices=num_devices,
+                                      num_processes=jax.process_count())
+        cfg = self.config
+        self.mesh = mesh if mesh is not None else sharding_lib.make_mesh(cfg.mesh.to_dict())
+        if tuple(self.mesh.axis_names) != sharding_lib.MESH_AXES:
+            raise ValueError(f"mesh axes must be {sharding_lib.MESH_AXES}, got "
+                             f"{self.mesh.axis_names}")
+        shards = sharding_lib.batch_shards(self.mesh)
+        if jax.process_count() > 1 and shards % jax.process_count():
+            raise ConfigError(
+                f"config.mesh: the batch is split {shards} ways (data x fsdp) but there are "
+                f"{jax.process_count()} processes, each feeding different rows; make data x fsdp "
+                f"a multiple of the process count")
+        self.task = task if task is not None else make_task(cfg)
+        self.tx = make_optimizer(cfg.optimizer, cfg.train.num_steps)
+        self.workdir = os.path.abspath(workdir) if workdir else None
+        self.is_main = jax.process_index() == 0
+
+        self.abstract_state: TrainState = jax.eval_shape(self._init_fn, jax.random.PRNGKey(0))
+        self.state_shardings: TrainState = self._state_shardings()
+        self.frozen_shardings = sharding_lib.tree_shardings(
+            jax.eval_shape(self.task.init_frozen), self.task.frozen_logical_axes(), self.mesh,
+            on_indivisible=cfg.sharding.on_indivisible)
+        self.frozen = jax.device_put(self.task.init_frozen(), self.frozen_shardings)
+        self._batch_sharding = NamedSharding(
+            self.mesh, sharding_lib.batch_sharding(self.mesh, 1).spec)
+        replicated = sharding_lib.replicated(self.mesh)
+
+        self._init = jax.jit(self._init_fn, out_shardings=self.state_shardings)
+        self._step = jax.jit(
+            self._train_step,
+            in_shardings=(self.state_shardings, self._batch_sharding, self.frozen_shardings),
+            out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+        self._eval_step = jax.jit(
+            self._eval_fn,
+            in_shardings=(self.state_shardings.params, self._batch_sharding,
+                          self.frozen_shardings),
+            out_shardings=replicated)
+
+        self.checkpointer = None
+        if self.workdir and cfg.checkpoint.every >= 0:
+            self.checkpointer = ckpt_lib.Checkpointer(
+                os.path.join(self.workdir, "checkpoints"), keep=cfg.checkpoint.keep,
+                async_save=cfg.checkpoint.async_save)
+        self.last_eval: dict[str, dict[str, float]] = {}
+        self.first_step_seconds: Optional[float] = None
+
+    # -- pure functions (traced) ----------------------------------------------------------------
+    def _init_fn(self, key: jax.Array) -> TrainState:
+        param_key, train_key = jax.random.split(key)
+        params = self.task.init_params(param_key)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                          opt_state=self.tx.init(params), rng=train_key)
+
+    def _grads(self, params, batch, rng, frozen):
+        """Loss, metrics, grads and the loss weight of one (micro)batch."""
+        (loss, metrics), grads = jax.value_and_grad(self.task.loss_fn, has_aux=True)(
+            params, batch, rng, frozen)
+        metrics = dict(metrics)
+        weight = jnp.asarray(metrics.pop(LOSS_WEIGHT, 1.0), jnp.float32)
+        return loss, metrics, grads, weight
+
+    def _train_step(self, state: TrainState, batch, frozen):
+        rng, step_rng = jax.random.split(state.rng)
+        num_micro = self.config.train.grad_accum_steps
+        if num_micro == 1:
+            loss, metrics, grads, weight = self._grads(state.params, batch, step_rng, frozen)
+        else:
+            batch_axes = sharding_lib.batch_sharding(self.mesh, 1).spec[0]
+            micro = jax.tree.map(
+                lambda x: jax.lax.with_sharding_constraint(
+                    split_microbatches(x, num_micro),
+                    NamedSharding(self.mesh, PartitionSpec(None, batch_axes))), batch)
+
+            def body(carry, xs):
+                mb, i = xs
+                loss, metrics, grads, w = self._grads(
+                    state.params, mb, jax.random.fold_in(step_rng, i), frozen)
+                sum_loss, sum_metrics, sum_grads, sum_w = carry
+                sum_grads = jax.tree.map(lambda a, g: a + w * g, sum_grads, grads)
+                sum_metrics = jax.tree.map(lambda a, m: a + w * m, sum_metrics, metrics)
+                return (sum_loss + w * loss, sum_metrics, sum_grads, sum_w + w), None
+
+            shapes = jax.eval_shape(self._grads, state.params,
+                                    jax.tree.map(lambda x: x[0], micro), step_rng, frozen)
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            init = (zeros[0], zeros[1], zeros[2], zeros[3])
+            (sum_loss, sum_metrics, sum_grads, weight), _ = jax.lax.scan(
+                body, init, (micro, jnp.arange(num_micro)))
+            inv = 1.0 / jnp.maximum(weight, 1e-12)
+            loss = sum_loss * inv
+            metrics = jax.tree.map(lambda m: m * inv, sum_metrics)
+            grads = jax.tree.map(lambda g: (g * inv).astype(g.dtype), sum_grads)
+
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, **metrics, "grad_norm": optax.tree.norm(grads),
+                   "lr": current_learning_rate(opt_state), LOSS_WEIGHT: weight}
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
+        return new_state, metrics
+
+    def _eval_fn(self, params, batch, frozen):
+        loss, metrics = self.task.loss_fn(params, batch, jax.random.PRNGKey(0), frozen)
+        metrics = dict(metrics)
+        metrics.setdefault(LOSS_WEIGHT, jnp.ones((), jnp.float32))
+        return {"loss": loss, **metrics}
+
+    # -- shardings ------------------------------------------------------------------------------
+    def _state_shardings(self) -> TrainState:
+        on_indivisible = self.config.sharding.on_indivisible
+        params = sharding_lib.tree_shardings(
+            self.abstract_state.params, self.task.param_logical_axes(), self.mesh,
+            on_indivisible=on_indivisible)
+        replicated = sharding_lib.replicated(self.mesh)
+        # Adam's moments are param-shaped: shard them like the params; the rest (counts,
+        # injected hyperparameters) is replicated.
+        opt = optax.tree_map_params(
+            self.tx, lambda _, s: s, self.abstract_state.opt_state, params,
+            transform_non_params=lambda _: replicated, is_leaf=_is_leaf_sharding)
+        return TrainState(step=replicated, params=params, opt_state=opt, rng=replicated)
+
+    # -- public API -----------------------------------------------------------------------------
+    def init_state(self) -> TrainState:
+        """A fresh, sharded state from ``config.seed``."""
+        return self._init(jax.random.PRNGKey(self.config.seed))
+
+    def restore_or_init(self, train_iter: Optional[inputs_lib.BatchIterator] = None
+                        ) -> TrainState:
+        """The newest complete checkpoint in the workdir (restoring ``train_iter``'s position
+        too), or a fresh state when there is none or resuming is off."""
+        if self.checkpointer is None or not self.config.checkpoint.resume:
+            return self.init_state()
+        step = self.checkpointer.latest_step()
+        if step is None:
+            return self.init_state()
+        abstract = ckpt_lib.abstract_with_shardings(self.abstract_state, self.state_shardings)
+        state, data_state = self.checkpointer.restore(step, abstract)
+        if train_iter is not None:
+            train_iter.set_state(data_state)
+        return state
+
+    def step(self, state: TrainState, host_batch: Mapping[str, np.ndarray]
+             ) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One optimizer step on this process's rows of the global batch (donates ``state``)."""
+        cfg = self.config
+        inputs_lib.check_batch(host_batch, cfg.data.batch_size // jax.process_count(),
+                               cfg.data.seq_len)
+        return self._step(state, inputs_lib.global_batch(host_batch, self.mesh), self.frozen)
+
+    def evaluate(self, params: PyTree, eval_batches: Mapping[str, Any]) -> dict[str, dict]:
+        """Token-weighted mean metrics per domain.
+
+        Args:
+          params: trained params (e.g. ``state.params``).
+          eval_batches: ``{domain: iterable of host batches}`` (or a zero-argument callable
+            returning one). Batches may have any row count: rows are padded with
+            ``loss_mask = 0`` to a multiple of the batch split. Every process must pass the same
+            number of batches per domain.
+        Returns:
+          ``{domain: {"loss", "ce", "accuracy", ..., "tokens"}}``.
+        """
+        local_multiple = max(sharding_lib.batch_shards(self.mesh) // jax.process_count(), 1)
+        results = {}
+        for domain, batches in eval_batches.items():
+            batches = batches() if callable(batches) else batches
+            pending = []
+            for host_batch in batches:
+                padded = inputs_lib.pad_rows(host_batch, local_multiple)
+                pending.append(self._eval_step(
+                    params, inputs_lib.global_batch(padded, self.mesh), self.frozen))
+            if not pending:
+                continue
+            fetched = jax.device_get(pending)
+            weights = np.array([m[LOSS_WEIGHT] for m in fetched], np.float64)
+            total = weights.sum()
+            summary = {}
+            for key in fetched[0]:
+                if key != LOSS_WEIGHT:
+                    vals = np.array([m[key] for m in fetched], np.float64)
+                    summary[key] = float((vals * weights).sum() / max(total, 1e-12))
+            summary["tokens"] = float(total)
+            results[domain] = summary
+        return results
+
+    def train(self, train_iter: inputs_lib.BatchIterator,
+              eval_batches: Optional[Mapping[str, Any]] = None, *,
+              stop_after: Optional[int] = None,
+              hooks: Sequence[StepHook] = ()) -> TrainState:
+        """Trains to ``config.train.num_steps``, resuming from the workdir when possible.
+
+        Args:
+          train_iter: this process's :class:`~specjax.training.inputs.BatchIterator`.
+          eval_batches: see :meth:`evaluate`; evaluated every ``train.eval_every`` steps and at
+            the end (results in :attr:`last_eval` and ``metrics.jsonl``).
+          stop_after: stop (without saving) once this step is reached — a simulated crash, for
+            resume tests.
+          hooks: called after every step.
+        Returns:
+          The final :class:`TrainState`.
+        """
+        from tqdm.auto import tqdm
+
+        cfg = self.config
+        num_steps = cfg.train.num_steps
+        state = self.restore_or_init(train_iter)
+        start = int(jax.device_get(state.step))
+        writer = metrics_lib.MetricsWriter(
+            os.path.join(self.workdir, "metrics.jsonl") if self.workdir else "",
+            enabled=bool(self.workdir) and self.is_main,
+            resume_step=start if start > 0 else None)
+        bar = tqdm(total=num_steps, initial=start, desc="train", dynamic_ncols=True,
+                   disable=not (cfg.output.progress_bar and self.is_main))
+        tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+        pending: list[dict] = []
+        last_time, last_step = time.perf_counter(), start
+        step = saved = start
+        try:
+            while step < num_steps:
+                state, metrics = self.step(state, next(train_iter))
+                step += 1
+                pending.append(metrics)
+                if step == start + 1:  # first step includes compilation: time it apart
+                    jax.block_until_ready(metrics)
+                    self.first_step_seconds = time.perf_counter() - last_time
+                    last_time, last_step = time.perf_counter(), step
+                if step % cfg.train.log_every == 0 or step == num_steps:
+                    rates = None
+                    if step > last_step:
+                        jax.block_until_ready(pending[-1])
+                        now = time.perf_counter()
+                        sps = (step - last_step) / (now - last_time)
+                        rates = {"steps_per_sec": sps, "tokens_per_sec": sps * tokens_per_step}
+                        last_time, last_step = now, step
+                    summary = self._summarise(pending)
+                    pending = []
+                    writer.write(step, "train", {**summary, **(rates or {})})
+                    bar.set_postfix(loss=f"{summary['loss']:.3f}", lr=f"{summary['lr']:.2e}")
+                bar.update(1)
+                if eval_batches and cfg.train.eval_every and step % cfg.train.eval_every == 0 \
+                        and step != num_steps:
+                    self._run_eval(state, eval_batches, step, writer)
+                if self._should_save(step):
+                    self.checkpointer.save(step, state, train_iter.get_state())
+                    saved = step
+                for hook in hooks:
+                    hook(self, step, state)
+                if stop_after is not None and step >= stop_after:
+                    return state
+            if eval_batches:  # (a finished run that is re-opened re-evaluates, logs nothing new)
+                self._run_eval(state, eval_batches, step, writer if step > start else None)
+            if self.checkpointer is not None and saved != step and step > start:
+                self.checkpointer.save(step, state, train_iter.get_state())
+        finally:
+            bar.close()
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
+        if self.workdir and self.is_main and cfg.output.plot:
+            metrics_lib.plot_loss_curve(writer.path, os.path.join(self.workdir, "loss_curve.png"))
+        return state
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _should_save(self, step: int) -> bool:
+        every = self.config.checkpoint.every
+        return self.checkpointer is not None and every > 0 and step % every == 0
+
+    def _run_eval(self, state, eval_batches, step, writer) -> None:
+        self.last_eval = self.evaluate(state.params, eval_batches)
+        for domain, values in self.last_eval.items():
+            if writer is not None:
+                writer.write(step, f"eval/{domain}", values)
+
+    @staticmethod
+    def _summarise(pending: list[dict]) -> dict[str, float]:
+        """Mean of each metric over the logged steps (``loss_weight`` summed as ``tokens``)."""
+        fetched = jax.device_get(pending)
+        out = {}
+        for key in fetched[0]:
+            vals = np.array([m[key] for m in fetched], np.float64)
+            if key == LOSS_WEIGHT:
+                out["tokens"] = float(vals.sum())
+            elif key == "lr":
+                out[key] = float(vals[-1])
+            else:
+                out[key] = float(vals.mean())
+        return out

@@ -1,0 +1,130 @@
+"""The loop end to end through the command line (embedded corpus, tiny mode), and its parts:
+synthetic iterator, metrics file, schedule logging, eval padding, params-only restore."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from specjax.training import SyntheticLMIterator, Trainer, restore_params, validate_config
+from specjax.training.checkpoint import abstract_with_shardings
+from specjax.training.inputs import pad_rows
+from specjax.training.metrics import MetricsWriter, plot_loss_curve, read_metrics
+from specjax.training.optimizer import make_schedule
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cli(*args, timeout=300):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, "-m", "experiments.train", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """``experiments.train`` on pretrain_target.py:tiny (30-document corpus subset, 4 steps)."""
+    tmp = tmp_path_factory.mktemp("pretrain_tiny")
+    workdir, data_dir = str(tmp / "run"), str(tmp / "data")
+    args = ["--config", "experiments/configs/pretrain_target.py:tiny",
+            f"--config.data.data_dir={data_dir}", "--config.checkpoint.keep=1",
+            "--workdir", workdir]
+    first = _cli(*args)
+    assert first.returncode == 0, first.stderr[-4000:]
+    lines_after_first = len(read_metrics(os.path.join(workdir, "metrics.jsonl")))
+    again = _cli(*args)  # finished run in the same workdir: restores, re-evaluates, no training
+    assert again.returncode == 0, again.stderr[-4000:]
+    return workdir, first, again, lines_after_first
+
+
+def test_cli_trains_logs_evaluates_and_checkpoints(tiny_run):
+    workdir, first, again, n_lines = tiny_run
+    for domain in ("math", "code", "prose"):
+        assert f"{domain}: held-out loss" in first.stdout
+        assert f"{domain}: held-out loss" in again.stdout
+    assert "trained 4 steps" in first.stdout and "trained 4 steps" in again.stdout
+
+    config = validate_config(json.load(open(os.path.join(workdir, "config.json"))))
+    assert config.model.preset == "tiny" and config.data.kind == "embedded"
+    records = read_metrics(os.path.join(workdir, "metrics.jsonl"))
+    assert len(records) == n_lines, "re-opening a finished run appends nothing"
+    train = [r for r in records if r["split"] == "train"]
+    assert [r["step"] for r in train] == [2, 4]
+    schedule = make_schedule(config.optimizer, config.train.num_steps)
+    for r in train:  # the logged LR is the one the last update of the interval used
+        assert r["lr"] == pytest.approx(float(schedule(r["step"] - 1)), rel=1e-6)
+        assert r["tokens"] > 0 and np.isfinite(r["grad_norm"])
+    assert train[-1]["loss"] < train[0]["loss"]
+    evals = {r["split"]: r for r in records if r["split"].startswith("eval/")}
+    assert set(evals) == {"eval/math", "eval/code", "eval/prose"}
+    assert all(e["step"] == 4 and 0 < e["ce"] < 10 for e in evals.values())
+
+    with open(os.path.join(workdir, "loss_curve.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["4"]  # keep=1
+
+
+def test_restore_params_only_matches_full_restore(tiny_run):
+    workdir = tiny_run[0]
+    config = json.load(open(os.path.join(workdir, "config.json")))
+    config["mesh"] = {"data": 1, "fsdp": 2, "tensor": 1}  # restore into a different layout
+    mesh_devices = jax.devices()[:2]
+    from specjax.training import make_mesh
+    trainer = Trainer(config, workdir=workdir, mesh=make_mesh(config["mesh"], mesh_devices))
+    full = trainer.restore_or_init()
+    assert int(full.step) == 4
+    abstract = abstract_with_shardings(trainer.abstract_state.params,
+                                       trainer.state_shardings.params)
+    params = restore_params(os.path.join(workdir, "checkpoints"), abstract)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(full.params)):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    trainer.close()
+
+
+def test_synthetic_iterator_is_resumable_sharded_and_packed():
+    kw = dict(batch_size=3, seq_len=16, vocab_size=50, seed=1)
+    a, b = SyntheticLMIterator(**kw), SyntheticLMIterator(**kw)
+    next(a), next(a)
+    b.set_state(a.get_state())
+    np.testing.assert_array_equal(next(a)["inputs"], next(b)["inputs"])
+    s0 = SyntheticLMIterator(shard_index=0, num_shards=2, **kw).batch_at(0)
+    s1 = SyntheticLMIterator(shard_index=1, num_shards=2, **kw).batch_at(0)
+    assert not np.array_equal(s0["inputs"], s1["inputs"])
+    with pytest.raises(ValueError, match="shard 0 restored into shard 1"):
+        SyntheticLMIterator(shard_index=1, num_shards=2, **kw).set_state({"step": 0,
+                                                                         "shard_index": 0})
+    for row in range(3):  # targets are the next token inside each document, masked at its end
+        seg, mask = s0["segment_ids"][row], s0["loss_mask"][row].astype(bool)
+        same_doc = seg[1:] == seg[:-1]
+        np.testing.assert_array_equal(mask[:-1], same_doc)
+        np.testing.assert_array_equal(s0["targets"][row, :-1][same_doc],
+                                      s0["inputs"][row, 1:][same_doc])
+        assert s0["positions"][row, 0] == 0 and (s0["positions"][row][1:][~same_doc] == 0).all()
+
+
+def test_eval_padding_rows_carry_no_loss():
+    batch = SyntheticLMIterator(batch_size=3, seq_len=8, vocab_size=20).batch_at(0)
+    padded = pad_rows(batch, 4)
+    assert padded["inputs"].shape == (4, 8) and padded["loss_mask"][3].sum() == 0
+    assert (padded["segment_ids"][3] > 0).all()
+    with pytest.raises(ValueError, match="without a loss_mask"):
+        pad_rows({"inputs": batch["inputs"], "targets": batch["targets"]}, 4)
+
+
+def test_metrics_writer_resume_drops_lines_after_checkpoint(tmp_path):
+    path = str(tmp_path / "m.jsonl")
+    w = MetricsWriter(path)
+    for step in range(1, 7):
+        w.write(step, "train", {"loss": 5.0 - step * 0.1, "lr": 1e-3})
+    w.write(6, "eval/math", {"ce": 1.0})
+    with open(path, "a") as f:
+        f.write('{"step": 7, "spl')  # torn line of a killed process
+    MetricsWriter(path, resume_step=4).write(5, "train", {"loss": 4.5, "lr": 1e-3})
+    records = read_metrics(path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    plot_loss_curve(path, str(tmp_path / "c.png"))
+    assert os.path.getsize(tmp_path / "c.png") > 1000
