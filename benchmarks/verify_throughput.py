@@ -51,6 +51,17 @@ except Exception:  # pragma: no cover - torch is optional
     torch = None
 
 
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def _median_ms(fn, reps):
     fn()  # warm-up (and compile)
     times = []
@@ -181,6 +192,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="B in {1, 64}, K = 8, V = 32000, 3 repetitions")
     ap.add_argument("--reps", type=int, default=None, help="repetitions per measurement (default 7, quick 3)")
+    ap.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "verify_throughput.json"))
     args = ap.parse_args(argv)
     if args.quick:
@@ -190,7 +202,8 @@ def main(argv=None):
         grid = [(b, k, v) for v in (4096, 32000, 151936) for k in (4, 8) for b in (1, 8, 64)]
         reps = args.reps or 7
     if torch is not None:
-        torch.set_num_threads(os.cpu_count() or 1)
+        torch.set_num_threads(args.torch_threads or os.cpu_count() or 1)
+    load_at_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     rows = []
     for b, k, v in grid:
         r = bench_one(b, k, v, reps)
@@ -213,13 +226,14 @@ def main(argv=None):
         command=" ".join([os.path.basename(sys.executable), "benchmarks/verify_throughput.py"] + (argv if argv is not None else sys.argv[1:])),
         machine=dict(
             platform=platform.platform(),
-            processor=platform.processor(),
+            processor=_cpu_model(),
             cpu_count=os.cpu_count(),
             python=platform.python_version(),
             jax=jax.__version__,
             jax_backend=jax.default_backend(),
             torch=None if torch is None else torch.__version__,
             torch_threads=None if torch is None else torch.get_num_threads(),
+            load_average_at_start=load_at_start,
             load_average_at_end=os.getloadavg() if hasattr(os, "getloadavg") else None,
         ),
         reps=reps,
