@@ -294,7 +294,8 @@ def threshold_schedule(confidences, threshold: float,
     return lengths if max_len is None else np.minimum(lengths, max_len)
 
 
-POLICIES = ("none", "fixed", "mtp1", "threshold", "dspark", "production")
+# "retrospective" is Algorithm 1 without the early stop: biased (Appendix A), for tests only.
+POLICIES = ("none", "fixed", "mtp1", "threshold", "dspark", "production", "retrospective")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,5 +336,7 @@ def schedule(config: SchedulerConfig, confidences: np.ndarray, sps_table: np.nda
         return threshold_schedule(confidences, config.threshold, cap)
     if config.policy == "dspark":
         return prefix_schedule(confidences, sps_table, early_stop=True, max_len=cap)
+    if config.policy == "retrospective":
+        return prefix_schedule(confidences, sps_table, early_stop=False, max_len=cap)
     stale = confidences if stale_confidences is None else stale_confidences
     return production_schedule(confidences, stale, sps_table, max_len=cap)

@@ -1,0 +1,527 @@
+"""Serving engine: continuous batching with confidence-scheduled, bucketed speculative verification.
+
+Per step (host loop over jitted device steps, :mod:`specjax.engine_steps`)::
+
+    draft     every slot drafts γ tokens (q, confidences)                         device
+    schedule  each active request's verification length ℓ_r (policy, numpy)       host
+    verify    pack Σ(1+ℓ_r) tokens into the smallest token bucket ≥ it; one
+              flattened target forward; rejection / target-only per request;
+              commit caches and lengths                                           device
+    emit      append emitted tokens; stop tokens / max_new_tokens finish a
+              request and free its slot; queued requests are admitted and
+              prefilled in bucketed chunks                                        host
+
+Static shapes: the verification step is compiled once per token bucket, prefill once per chunk
+bucket, drafting once; :meth:`Engine.warmup` compiles all of them, after which a run compiles
+nothing (see ``tests/test_engine.py``, which counts compilations).
+
+Exactness: a request's verification length depends only on confidences of drafts *before* the
+position being admitted (Algorithm 1 with early stop; the production form's budget comes from
+confidences two steps old), so every policy is lossless (DESIGN invariant 1). Temperature 0
+requests are verified greedily (one-hot p and q: acceptance is exact match).
+
+Overlap (``EngineConfig.overlap``): after dispatching step t's verification, the engine dispatches
+step t+1's drafting before it reads step t's tokens back, so the device drafts while the host
+emits, finishes and admits. If step t admitted new requests the pre-dispatched draft is discarded
+and redone after their prefill.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import time
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax import scheduling
+from specjax.drafters.base import Sampling
+from specjax.engine_steps import DeviceState, draft_step, prefill_step, verify_step
+from specjax.models.kv_cache import init_cache
+from specjax.scheduling import SchedulerConfig
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+CONFIDENCE_POLICIES = ("threshold", "dspark", "production", "retrospective")
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation request.
+
+    prompt: token ids (non-empty). max_new_tokens: ≥ 1. stop_tokens: generation ends after any of
+    them (kept in the output). temperature (0 = greedy), top_k, top_p: the sampling transform,
+    applied identically to target and drafts. seed: the request's verification and first-token
+    randomness. request_id: assigned by the engine when None.
+    """
+
+    prompt: Sequence[int]
+    max_new_tokens: int = 32
+    stop_tokens: Sequence[int] = ()
+    temperature: float = 1.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    seed: int = 0
+    request_id: Optional[str] = None
+
+
+@dataclasses.dataclass
+class Result:
+    """A finished request.
+
+    tokens: generated ids. finish_reason: one of FINISH_REASONS. error: message when "error".
+    submit_time, first_token_time, finish_time: ``time.perf_counter()`` stamps.
+    token_times: emission time of every generated token (tokens of one step share a stamp).
+    steps: verification steps the request took part in; accepted: drafts accepted in total.
+    """
+
+    request_id: str
+    tokens: list
+    finish_reason: str
+    error: Optional[str] = None
+    submit_time: float = 0.0
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
+    token_times: list = dataclasses.field(default_factory=list)
+    steps: int = 0
+    accepted: int = 0
+
+    @property
+    def ttft(self) -> Optional[float]:
+        return None if self.first_token_time is None else self.first_token_time - self.submit_time
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine shape and policy.
+
+    num_slots: S requests decoded at once. max_len: cache positions per slot (prompt + new tokens
+    + γ + 1 must fit). gamma: drafts per step. token_buckets: compiled verification batch sizes
+    (default: powers of two from 8 to S·(γ+1)); the largest must hold S·(γ+1).
+    prefill_buckets: compiled prompt chunk sizes (longer prompts are fed in chunks of the largest).
+    method: "rejection" or "target_only". scheduler: the verification-length policy.
+    overlap: pre-dispatch the next draft while the host processes the current step.
+    sps_cache: JSON path for the SPS profile (reused when device and model match).
+    profile_reps: timed repetitions per bucket when profiling. seed: drafting randomness.
+    filters: compile top-k / top-p support (a sort over V per position); False serves
+    temperature-only requests faster and rejects requests that set top_k / top_p.
+    """
+
+    num_slots: int = 8
+    max_len: int = 512
+    gamma: int = 4
+    token_buckets: Optional[tuple] = None
+    prefill_buckets: tuple = (16, 64, 256)
+    method: str = "rejection"
+    scheduler: SchedulerConfig = SchedulerConfig()
+    overlap: bool = True
+    sps_cache: Optional[str] = None
+    profile_reps: int = 5
+    seed: int = 0
+    filters: bool = True
+
+    def __post_init__(self):
+        if self.num_slots < 1:
+            raise ValueError(f"EngineConfig.num_slots must be ≥ 1, got {self.num_slots}")
+        if self.gamma < 1:
+            raise ValueError(f"EngineConfig.gamma must be ≥ 1, got {self.gamma}")
+        if self.method not in ("rejection", "target_only"):
+            raise ValueError(f"EngineConfig.method must be 'rejection' or 'target_only', "
+                             f"got {self.method!r}")
+        if self.max_len < self.gamma + 2:
+            raise ValueError(f"EngineConfig.max_len {self.max_len} too small for gamma {self.gamma}")
+        scheduling.validate_buckets(self.prefill_buckets)
+        if self.token_buckets is not None:
+            b = scheduling.validate_buckets(self.token_buckets)
+            if b[-1] < self.num_slots * (self.gamma + 1):
+                raise ValueError(
+                    f"EngineConfig.token_buckets: the largest bucket {b[-1]} must hold "
+                    f"num_slots * (gamma + 1) = {self.num_slots * (self.gamma + 1)} tokens")
+
+    @property
+    def buckets(self) -> list[int]:
+        if self.token_buckets is not None:
+            return scheduling.validate_buckets(self.token_buckets)
+        return scheduling.default_buckets(self.num_slots * (self.gamma + 1),
+                                          min_bucket=min(8, self.num_slots))
+
+
+@dataclasses.dataclass
+class _Live:
+    """Host bookkeeping of a request in a slot."""
+
+    request: Request
+    result: Result
+    prompt_done: int = 0  # prompt tokens fed so far
+    generated: int = 0
+    verify_steps: int = 0
+    conf_history: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=3))
+
+
+@dataclasses.dataclass
+class StepStats:
+    """Per-step host/device timing (seconds) and batch composition."""
+
+    active: int
+    bucket: int
+    tokens: int
+    drafts_verified: int
+    accepted: int
+    schedule_s: float
+    step_s: float
+
+
+class Engine:
+    """Continuous-batching speculative decoding engine over S slots.
+
+    Args:
+      target: target :class:`~specjax.models.Transformer` (or ``(graphdef, state)``).
+      drafter, params, frozen: a drafter from :mod:`specjax.drafters`, its params and frozen
+        shared head (``None`` where the drafter has none).
+      config: :class:`EngineConfig`.
+    """
+
+    def __init__(self, target, drafter, params, frozen, config: EngineConfig = EngineConfig()):
+        self.graphdef, self.target_state = target if isinstance(target, tuple) else nnx.split(target)
+        self.model_config = nnx.merge(self.graphdef, self.target_state).config
+        self.drafter, self.params, self.frozen = drafter, params, frozen
+        self.config = config
+        if config.scheduler.policy in CONFIDENCE_POLICIES and \
+                not drafter.has_confidence:
+            raise ValueError(f"scheduler policy {config.scheduler.policy!r} needs a drafter with a "
+                             f"confidence head; {type(drafter).__name__} has none")
+        self.buckets = config.buckets
+        self.prefill_buckets = scheduling.validate_buckets(config.prefill_buckets)
+        s = config.num_slots
+        self.state = DeviceState(
+            cache=init_cache(self.model_config, s, config.max_len),
+            drafter_state=drafter.init_state(s, config.max_len, config.gamma),
+            anchor=jnp.zeros((s,), jnp.int32))
+        self.slots: list[Optional[_Live]] = [None] * s
+        self.queue: collections.deque[_Live] = collections.deque()
+        self.finished: dict[str, Result] = {}
+        self._ids = itertools.count()
+        self._step = 0
+        self._key = jax.random.key(config.seed)
+        self._pending_draft = None
+        self.sps: Optional[scheduling.SPSProfile] = None
+        self.sps_table = np.ones(self.buckets[-1] + 1)
+        self.stats: list[StepStats] = []
+        self._sampling_cache = None
+
+    # ---------------------------------------------------------------------------------- requests
+    def submit(self, request: Request) -> str:
+        """Queues a request; returns its id. Bad requests raise ``ValueError`` immediately."""
+        self._validate(request)
+        rid = request.request_id or f"req-{next(self._ids)}"
+        request = dataclasses.replace(request, request_id=rid, prompt=list(request.prompt),
+                                      stop_tokens=tuple(request.stop_tokens))
+        if rid in self.finished or any(l.request.request_id == rid for l in self._all_live()):
+            raise ValueError(f"duplicate request_id {rid!r}")
+        live = _Live(request, Result(rid, [], "", submit_time=time.perf_counter()))
+        self.queue.append(live)
+        return rid
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancels a queued or running request (its slot is freed). Returns whether it existed."""
+        for live in list(self.queue):
+            if live.request.request_id == request_id:
+                self.queue.remove(live)
+                self._finish(live, "cancelled")
+                return True
+        for i, live in enumerate(self.slots):
+            if live is not None and live.request.request_id == request_id:
+                self._free(i, "cancelled")
+                return True
+        return False
+
+    def _all_live(self):
+        return [l for l in self.slots if l is not None] + list(self.queue)
+
+    def _validate(self, r: Request) -> None:
+        v = self.model_config.vocab_size
+        if len(r.prompt) == 0:
+            raise ValueError("Request.prompt must be non-empty")
+        if any((not isinstance(t, (int, np.integer))) or not 0 <= t < v for t in r.prompt):
+            raise ValueError(f"Request.prompt ids must be ints in [0, {v})")
+        if r.max_new_tokens < 1:
+            raise ValueError(f"Request.max_new_tokens must be ≥ 1, got {r.max_new_tokens}")
+        need = len(r.prompt) + r.max_new_tokens + self.config.gamma + 1
+        if need > self.config.max_len:
+            raise ValueError(f"prompt ({len(r.prompt)}) + max_new_tokens ({r.max_new_tokens}) + "
+                             f"gamma + 1 = {need} exceeds EngineConfig.max_len "
+                             f"{self.config.max_len}")
+        if r.temperature < 0:
+            raise ValueError(f"Request.temperature must be ≥ 0, got {r.temperature}")
+        if not self.config.filters and (r.top_k is not None or r.top_p is not None):
+            raise ValueError("this engine was built with EngineConfig.filters=False: "
+                             "top_k / top_p are not supported")
+        if r.top_k is not None and r.top_k < 1:
+            raise ValueError(f"Request.top_k must be ≥ 1, got {r.top_k}")
+        if r.top_p is not None and not 0 < r.top_p <= 1:
+            raise ValueError(f"Request.top_p must be in (0, 1], got {r.top_p}")
+
+    # ---------------------------------------------------------------------------------- helpers
+    def _sampling(self) -> Sampling:
+        """Per-slot sampling arrays (idle slots: temperature 1, no filters)."""
+        s = self.config.num_slots
+        temp = np.ones(s, np.float32)
+        top_k = np.full(s, self.model_config.vocab_size, np.int32)
+        top_p = np.ones(s, np.float32)
+        for i, live in enumerate(self.slots):
+            if live is not None:
+                r = live.request
+                temp[i] = r.temperature
+                top_k[i] = r.top_k if r.top_k is not None else self.model_config.vocab_size
+                top_p[i] = r.top_p if r.top_p is not None else 1.0
+        if not self.config.filters:
+            return Sampling(temperature=temp)
+        return Sampling(temperature=temp, top_k=top_k, top_p=top_p)
+
+    def _slot_keys(self, salt: int) -> jax.Array:
+        """One key per slot from the request's seed and its own step count (host-built, one call)."""
+        seeds = np.zeros((self.config.num_slots, 3), np.uint32)
+        for i, live in enumerate(self.slots):
+            if live is not None:
+                seeds[i] = (live.request.seed, live.verify_steps, salt)
+        return _keys_from_seeds(seeds)
+
+    def _next_key(self) -> jax.Array:
+        self._step += 1
+        return jax.random.fold_in(self._key, self._step)
+
+    # ---------------------------------------------------------------------------------- admission
+    def _admit(self) -> bool:
+        """Moves queued requests into free slots and prefills them. Returns whether any."""
+        new = []
+        for i in range(self.config.num_slots):
+            if self.slots[i] is None and self.queue:
+                self.slots[i] = self.queue.popleft()
+                new.append(i)
+        if not new:
+            return False
+        s = self.config.num_slots
+        first_chunk = True
+        while True:
+            remaining = {i: len(self.slots[i].request.prompt) - self.slots[i].prompt_done
+                         for i in new if self.slots[i] is not None}
+            todo = [i for i, n in remaining.items() if n > 0]
+            if not todo:
+                break
+            chunk = min(max(remaining[i] for i in todo), self.prefill_buckets[-1])
+            c = scheduling.pick_bucket(self.prefill_buckets, chunk)
+            tokens = np.zeros((s, c), np.int32)
+            num_valid = np.zeros(s, np.int32)
+            reset = np.zeros(s, bool)
+            nxt = np.zeros(s, np.int32)
+            is_last = np.zeros(s, bool)
+            for i in todo:
+                live = self.slots[i]
+                p = live.request.prompt
+                n = min(c, remaining[i])
+                tokens[i, :n] = p[live.prompt_done:live.prompt_done + n]
+                num_valid[i] = n
+                reset[i] = live.prompt_done == 0
+                is_last[i] = live.prompt_done + n == len(p)
+                if not is_last[i]:
+                    nxt[i] = p[live.prompt_done + n]
+                live.prompt_done += n
+            self.state, first = prefill_step(
+                self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
+                self.state, tokens, num_valid, reset, nxt, is_last, self._slot_keys(1),
+                self._sampling(), max_len=self.config.max_len, gamma=self.config.gamma)
+            first_chunk = False
+            first = np.asarray(first)
+            now = time.perf_counter()
+            for i in todo:
+                if is_last[i]:
+                    self._emit(i, [int(first[i])], now)
+        del first_chunk
+        return True
+
+    # ---------------------------------------------------------------------------------- finishing
+    def _emit(self, slot: int, tokens: Iterable[int], now: float) -> None:
+        live = self.slots[slot]
+        r, res = live.request, live.result
+        for t in tokens:
+            res.tokens.append(t)
+            res.token_times.append(now)
+            if res.first_token_time is None:
+                res.first_token_time = now
+            live.generated += 1
+            if t in r.stop_tokens:
+                self._free(slot, "stop")
+                return
+            if live.generated >= r.max_new_tokens:
+                self._free(slot, "length")
+                return
+
+    def _finish(self, live: _Live, reason: str, error: Optional[str] = None) -> None:
+        live.result.finish_reason = reason
+        live.result.error = error
+        live.result.finish_time = time.perf_counter()
+        live.result.steps = live.verify_steps
+        self.finished[live.request.request_id] = live.result
+
+    def _free(self, slot: int, reason: str, error: Optional[str] = None) -> None:
+        live = self.slots[slot]
+        self.slots[slot] = None
+        self._finish(live, reason, error)
+
+    # ---------------------------------------------------------------------------------- stepping
+    @property
+    def num_active(self) -> int:
+        return sum(l is not None for l in self.slots)
+
+    def has_work(self) -> bool:
+        return bool(self.queue) or self.num_active > 0
+
+    def _draft(self):
+        g = self.config.gamma
+        return draft_step(self.drafter, self.params, self.frozen, self.state.drafter_state,
+                          self._next_key(), self._sampling(), gamma=g,
+                          argmax=self.config.method == "target_only")
+
+    def _schedule(self, draft) -> np.ndarray:
+        """ℓ per slot (-1 idle) from the policy; capped so no request overshoots max_new_tokens."""
+        cfg = self.config
+        active = np.array([l is not None for l in self.slots])
+        rows = np.flatnonzero(active)
+        # A request that needs m more tokens gains nothing from verifying more than m - 1 drafts.
+        cap = np.array([min(cfg.gamma, self.slots[i].request.max_new_tokens
+                            - self.slots[i].generated - 1) for i in rows])
+        cap = np.maximum(cap, 0)
+        conf = None
+        if self.drafter.has_confidence and draft.confidences is not None and \
+                cfg.scheduler.policy in CONFIDENCE_POLICIES:
+            conf_all = np.asarray(draft.confidences, np.float64)
+            conf = conf_all[rows]
+        if conf is None:
+            conf = np.ones((len(rows), cfg.gamma))
+        stale = None
+        if cfg.scheduler.policy == "production":
+            stale = np.stack([self._stale_conf(i) for i in rows]) if len(rows) else conf
+        lengths = scheduling.schedule(cfg.scheduler, conf, self.sps_table,
+                                      stale_confidences=stale, max_len=cap)
+        if cfg.scheduler.policy == "production":
+            for j, i in enumerate(rows):
+                self.slots[i].conf_history.append(conf[j])
+        out = np.full(cfg.num_slots, -1, np.int32)
+        out[rows] = lengths
+        return out
+
+    def _stale_conf(self, slot: int) -> np.ndarray:
+        """Confidences this request's drafter produced two steps ago (neutral 0.5 before that)."""
+        hist = self.slots[slot].conf_history
+        if len(hist) >= 2:
+            return hist[-2]
+        return np.full(self.config.gamma, 0.5)
+
+    def step(self) -> Optional[StepStats]:
+        """Admits, drafts, schedules, verifies and emits once. Returns the step's stats."""
+        t0 = time.perf_counter()
+        admitted = self._admit()
+        if self.num_active == 0:
+            return None
+        if self._pending_draft is None or admitted:
+            self._pending_draft = self._draft()
+        draft, dstate_after = self._pending_draft
+        self._pending_draft = None
+        ts = time.perf_counter()
+        num_draft = self._schedule(draft)
+        n_tokens = int(np.sum(num_draft[num_draft >= 0] + 1))
+        bucket = scheduling.pick_bucket(self.buckets, n_tokens)
+        schedule_s = time.perf_counter() - ts
+        sampling = self._sampling()
+        keys = self._slot_keys(2)
+        self.state = DeviceState(self.state.cache, dstate_after, self.state.anchor)
+        self.state, result = verify_step(
+            self.graphdef, self.target_state, self.drafter, self.params, self.frozen, self.state,
+            draft.tokens, draft.probs, num_draft, keys, sampling, bucket=bucket,
+            gamma=self.config.gamma, method=self.config.method)
+        if self.config.overlap:
+            self._pending_draft = self._draft()  # queued behind verification on the device
+        tokens = np.asarray(result.tokens)
+        accepted = np.asarray(result.num_accepted)
+        now = time.perf_counter()
+        for i in np.flatnonzero(num_draft >= 0):
+            live = self.slots[i]
+            live.verify_steps += 1
+            live.result.accepted += int(accepted[i])
+            self._emit(i, tokens[i, :accepted[i] + 1].tolist(), now)
+        if self.queue and any(l is None for l in self.slots):
+            self._pending_draft = None  # admissions at the next step change the drafter state
+        stats = StepStats(active=int(np.sum(num_draft >= 0)), bucket=bucket, tokens=n_tokens,
+                          drafts_verified=int(np.sum(np.maximum(num_draft, 0))),
+                          accepted=int(np.sum(accepted)), schedule_s=schedule_s,
+                          step_s=time.perf_counter() - t0)
+        self.stats.append(stats)
+        return stats
+
+    def run(self, max_steps: Optional[int] = None) -> dict[str, Result]:
+        """Steps until no request is queued or running (or ``max_steps``); returns finished."""
+        n = 0
+        while self.has_work() and (max_steps is None or n < max_steps):
+            self.step()
+            n += 1
+        return self.finished
+
+    def generate(self, requests: Sequence[Request]) -> list[Result]:
+        """Submits the requests, runs to completion, returns their results in order."""
+        ids = [self.submit(r) for r in requests]
+        self.run()
+        return [self.finished.pop(i) for i in ids]
+
+    # ---------------------------------------------------------------------------------- warm-up
+    def warmup(self, *, profile: bool = True) -> None:
+        """Compiles drafting, every prefill chunk bucket and every verification bucket (on idle
+        slots: nothing changes), then profiles SPS per bucket unless ``profile=False``."""
+        if self.num_active or self.queue:
+            raise RuntimeError("warmup() must run before requests are submitted")
+        s, g = self.config.num_slots, self.config.gamma
+        sampling = self._sampling()
+        keys = self._slot_keys(0)
+        for c in self.prefill_buckets:
+            z = np.zeros(s, np.int32)
+            self.state, _ = prefill_step(
+                self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
+                self.state, np.zeros((s, c), np.int32), z, np.zeros(s, bool), z,
+                np.zeros(s, bool), keys, sampling, max_len=self.config.max_len, gamma=g)
+        draft, _ = self._draft()
+        idle = np.full(s, -1, np.int32)
+
+        def run_bucket(b):
+            self.state, res = verify_step(
+                self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
+                self.state, draft.tokens, draft.probs, idle, keys, sampling, bucket=b, gamma=g,
+                method=self.config.method)
+            jax.block_until_ready(res.tokens)
+
+        for b in self.buckets:
+            run_bucket(b)
+        if profile:
+            key = (f"{jax.devices()[0].device_kind}/{self.model_config}/"
+                   f"{type(self.drafter).__name__}/S{s}/g{g}/L{self.config.max_len}")
+            self.sps = scheduling.profile_sps(run_bucket, self.buckets, key=key,
+                                              reps=self.config.profile_reps, warmup=0,
+                                              cache_path=self.config.sps_cache)
+            self.sps_table = self.sps.table()
+
+    def set_sps(self, profile: scheduling.SPSProfile) -> None:
+        """Uses a given SPS profile (e.g. a hand-made one in tests)."""
+        if list(profile.buckets) != self.buckets:
+            raise ValueError(f"profile buckets {profile.buckets} != engine buckets {self.buckets}")
+        self.sps, self.sps_table = profile, profile.table()
+
+
+@jax.jit
+def _keys_from_seeds(seeds: jax.Array) -> jax.Array:
+    """``[S, 3]`` uint32 (seed, step, salt) -> ``[S]`` PRNG keys."""
+    def one(x):
+        k = jax.random.key(x[0])
+        return jax.random.fold_in(jax.random.fold_in(k, x[1]), x[2])
+    return jax.vmap(one)(seeds)

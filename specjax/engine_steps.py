@@ -1,0 +1,194 @@
+"""Device steps of the serving engine: draft, flattened verification, prefill (all jitted).
+
+Static shapes everywhere: S slots, γ drafts, a token bucket N for the flattened verification batch
+and a chunk bucket C for prefill are the only shape parameters; every step is compiled once per
+bucket (at engine warm-up) and never again.
+
+Flattened verification (DESIGN "Flattened verification"; DSpark §5.3): slot s verifies
+``num_draft[s] = ℓ_s`` drafts (``-1`` = slot idle this step). Its ``1 + ℓ_s`` tokens
+``[anchor, x_1..x_ℓ]`` are packed contiguously, slot by slot, into a 1-D batch of N tokens
+(segment id = slot, padding = S). One target forward (:meth:`Transformer.forward_flat`) runs the
+dense layers on those N tokens and attends each slot's tokens to the slot's cache. The logits are
+gathered back to ``[S, γ+1, V]``, the request's sampling transform is applied, and the verifier
+decides; the cache and the drafter are committed by lengths (rejected tokens are rolled back).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.drafters.base import Observation, Sampling
+from specjax.models.kv_cache import KVCache
+from specjax.sampling import sample
+from specjax.verify import rejection_sample, target_only_sample
+
+
+class DeviceState(NamedTuple):
+    """Everything the engine keeps on the device for S slots.
+
+    cache: target :class:`KVCache` (``lengths [S]`` = tokens each slot's target has consumed).
+    drafter_state: the drafter's state pytree for S rows.
+    anchor: int32 ``[S]``: last emitted token of each slot (fed to the target at the next verify).
+    """
+
+    cache: KVCache
+    drafter_state: Any
+    anchor: jax.Array
+
+
+class VerifyResult(NamedTuple):
+    """tokens int32 ``[S, γ+1]`` (emitted ``tokens[s, :num_accepted[s]+1]``; -1 after),
+    num_accepted int32 ``[S]`` (0 for idle slots)."""
+
+    tokens: jax.Array
+    num_accepted: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("drafter", "gamma", "argmax"))
+def draft_step(drafter, params, frozen, drafter_state, key, sampling: Sampling, *, gamma: int,
+               argmax: bool):
+    """All slots draft γ tokens: returns ``(DraftOutput, drafter_state)`` (not donated)."""
+    return drafter.propose(params, frozen, drafter_state, key, gamma=gamma, sampling=sampling,
+                           argmax=argmax)
+
+
+def flat_layout(num_draft: jax.Array, bucket: int):
+    """Packing of ``1 + ℓ_s`` tokens per active slot into N = ``bucket`` flat entries.
+
+    Returns ``(slot [N], rank [N], offsets [S], valid [N])``: flat entry n holds token ``rank[n]``
+    (0 = anchor, j = draft j) of slot ``slot[n]``; ``offsets[s]`` is where slot s starts.
+    """
+    s = num_draft.shape[0]
+    count = jnp.where(num_draft >= 0, num_draft + 1, 0)
+    ends = jnp.cumsum(count)
+    offsets = ends - count
+    n = jnp.arange(bucket, dtype=jnp.int32)
+    slot = jnp.searchsorted(ends, n, side="right").astype(jnp.int32)
+    valid = slot < s
+    slot_c = jnp.minimum(slot, s - 1)
+    rank = n - offsets[slot_c]
+    return jnp.where(valid, slot, s), jnp.where(valid, rank, 0), offsets, valid
+
+
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "bucket", "gamma",
+                                             "method"), donate_argnames=("state",))
+def verify_step(target_graphdef: nnx.GraphDef, target_state, drafter, params, frozen,
+                state: DeviceState, draft_tokens, draft_probs, num_draft, verify_keys,
+                sampling: Sampling, *, bucket: int, gamma: int, method: str):
+    """Flattened verification of every slot's admitted drafts, then commit (donates ``state``).
+
+    Args:
+      draft_tokens: int32 ``[S, γ]``; draft_probs: f32 ``[S, γ, V]`` (the q they were drawn from).
+      num_draft: int32 ``[S]``: drafts to verify per slot, ``-1`` for idle slots;
+        ``Σ_{s active} (1 + ℓ_s) ≤ bucket``.
+      verify_keys: ``[S]`` PRNG keys (one per slot: a request's verification noise depends only on
+        its own key).
+      sampling: per-slot sampling settings (``[S]`` fields); temperature 0 rows are greedy.
+      method: "rejection" or "target_only".
+    Returns:
+      ``(DeviceState, VerifyResult)``.
+    """
+    cache = state.cache
+    s = cache.num_slots
+    active = num_draft >= 0
+    nd = jnp.maximum(num_draft, 0)
+    slot, rank, offsets, valid = flat_layout(num_draft, bucket)
+    slot_c = jnp.minimum(slot, s - 1)
+    seq = jnp.concatenate([state.anchor[:, None], draft_tokens], axis=1)  # [S, γ+1]
+    flat_tokens = jnp.where(valid, seq[slot_c, jnp.minimum(rank, gamma)], 0)
+    target = nnx.merge(target_graphdef, target_state)
+    out = target.forward_flat(flat_tokens, slot, cache, grid_len=gamma + 1,
+                              hidden_layers=drafter.hidden_layers)
+    # Back to the per-slot grid [S, γ+1] (entries past 1 + ℓ_s are never read by the verifier).
+    grid = jnp.minimum(offsets[:, None] + jnp.arange(gamma + 1)[None, :], bucket - 1)
+    target_probs = sampling.probs(out.logits[grid])
+    if method == "rejection":
+        ver = rejection_sample(verify_keys, draft_tokens, draft_probs, target_probs, nd)
+    else:
+        ver = target_only_sample(verify_keys, draft_tokens, target_probs, nd)
+    accepted = jnp.where(active, ver.num_accepted, 0)
+    nxt = jnp.take_along_axis(ver.tokens, accepted[:, None], axis=1)[:, 0]
+    nxt = jnp.where(active, nxt, state.anchor)
+    start = cache.lengths
+    lengths = jnp.where(active, start + accepted + 1, start)
+    hidden = None if out.hidden is None else out.hidden[:, grid]
+    obs = Observation(tokens=seq, num_valid=jnp.where(active, accepted + 1, 0), start=start,
+                      next_token=nxt, hidden=hidden)
+    dstate = drafter.commit(params, frozen, state.drafter_state, obs)
+    new_state = DeviceState(cache=out.cache.rollback(lengths), drafter_state=dstate, anchor=nxt)
+    tokens = jnp.where(active[:, None], ver.tokens, -1)
+    return new_state, VerifyResult(tokens=tokens, num_accepted=accepted)
+
+
+def batch_axes(drafter, state_like, num_slots: int, max_len: int, gamma: int):
+    """Which axis of each leaf of the drafter state is the slot axis (found from shapes alone).
+
+    Compares abstract states for ``S`` and ``S + 1`` rows; leaves without a slot axis get ``None``.
+    """
+    a = jax.eval_shape(lambda: drafter.init_state(num_slots, max_len, gamma))
+    b = jax.eval_shape(lambda: drafter.init_state(num_slots + 1, max_len, gamma))
+
+    def axis(x, y):
+        diff = [i for i, (m, n) in enumerate(zip(x.shape, y.shape)) if m != n]
+        return diff[0] if diff else None
+
+    return jax.tree.map(axis, a, b)
+
+
+def select_rows(mask: jax.Array, new, old, axes):
+    """Per leaf: rows (along its slot axis) where ``mask`` from ``new``, the others from ``old``."""
+    def pick(n, o, ax):
+        if ax is None:
+            return o
+        shape = [1] * n.ndim
+        shape[ax] = mask.shape[0]
+        return jnp.where(mask.reshape(shape), n, o)
+
+    return jax.tree.map(pick, new, old, axes)
+
+
+def sample_rows(keys: jax.Array, probs: jax.Array) -> jax.Array:
+    """One token per row ``[S, V] -> [S]`` with the row's own key."""
+    return jax.vmap(sample)(keys, probs)
+
+
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "max_len", "gamma"),
+                   donate_argnames=("state",))
+def prefill_step(target_graphdef: nnx.GraphDef, target_state, drafter, params, frozen,
+                 state: DeviceState, tokens, num_valid, reset, next_prompt_token, is_last,
+                 first_keys, sampling: Sampling, *, max_len: int, gamma: int):
+    """Feeds one prompt chunk per prefilling slot; samples the first token where the prompt ends.
+
+    Args:
+      tokens: int32 ``[S, C]`` chunk per slot (C = chunk bucket); num_valid: int32 ``[S]`` real
+        tokens (0 for slots not prefilling).
+      reset: bool ``[S]``: a new request starts in this slot (its lengths restart at 0).
+      next_prompt_token: int32 ``[S]``: the prompt token after this chunk (slots not finishing).
+      is_last: bool ``[S]``: the chunk ends the prompt (then the first new token is sampled from
+        the target alone at the last prompt position).
+      first_keys: ``[S]`` PRNG keys for that first token.
+    Returns:
+      ``(DeviceState, first_token int32 [S])`` (first_token valid where ``is_last``).
+    """
+    target = nnx.merge(target_graphdef, target_state)
+    cache = state.cache
+    start = jnp.where(reset, 0, cache.lengths)
+    cache = cache.rollback(start)
+    out = target(tokens, cache=cache, num_valid=num_valid, hidden_layers=drafter.hidden_layers)
+    last = jnp.take_along_axis(out.logits, jnp.maximum(num_valid - 1, 0)[:, None, None],
+                               axis=1)[:, 0]
+    first = sample_rows(first_keys, sampling.probs(last))
+    prefilling = num_valid > 0
+    nxt = jnp.where(is_last, first, jnp.where(prefilling, next_prompt_token, state.anchor))
+    obs = Observation(tokens=tokens, num_valid=num_valid, start=start, next_token=nxt,
+                      hidden=out.hidden)
+    dstate = drafter.prefill(params, frozen, state.drafter_state, obs)
+    # Slots that are not prefilling keep their drafter state exactly (a drafter's prefill may
+    # reset buffers it would otherwise update incrementally).
+    axes = batch_axes(drafter, state.drafter_state, cache.num_slots, max_len, gamma)
+    dstate = select_rows(prefilling, dstate, state.drafter_state, axes)
+    return DeviceState(cache=out.cache, drafter_state=dstate, anchor=nxt), first
