@@ -14,7 +14,7 @@ For every (B, K, V) the script times, as medians over ``--reps`` repetitions aft
 * ``read``      -- ``sum(p) + sum(q)``: read p and q once.
 * ``torch``     -- the "what people use today" baseline: residual max(0, p - q) normalised for every
                    position ([B, K, V]), bonus p_K appended, one exponential race over [B, K+1, V]
-                   (``probs / Exp(1)).argmax``, as vLLM's v0 sampler did), then pick position n.
+                   (``(probs / Exp(1)).argmax``, as vLLM's v0 sampler did), then pick position n.
                    ``torch_noise_given`` is the same with the [B, K+1, V] noise drawn beforehand.
 
 Bandwidth is reported over the *nominal* bytes -- p [B, K+1, V] and q [B, K, V] in float32, read
@@ -62,6 +62,9 @@ def _cpu_model():
     return platform.processor()
 
 
+_MIN_MS = {}  # the fastest repetition of the last measurement, recorded next to the median
+
+
 def _median_ms(fn, reps):
     fn()  # warm-up (and compile)
     times = []
@@ -69,11 +72,19 @@ def _median_ms(fn, reps):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
+    _MIN_MS["last"] = 1e3 * min(times)
     return 1e3 * statistics.median(times)
 
 
+def _timed(row, name, fn, reps):
+    row[name + "_ms"] = _median_ms(fn, reps)
+    row[name + "_min_ms"] = _MIN_MS["last"]
+
+
 def torch_rejection_sample(draft_tokens, draft_probs, target_probs, uniforms, exponentials=None):
-    """Straightforward PyTorch rejection sampler (residual for every position, one race over all)."""
+    """Straightforward PyTorch rejection sampler: the residual for every position, one exponential
+    race over all [B, K+1, V] (noise from ``rand`` + ``log``: ~15x faster than ``exponential_`` on this
+    CPU, and faster than ``multinomial``), then the token at the first rejection."""
     b, k = draft_tokens.shape
     idx = draft_tokens.long().unsqueeze(-1)
     p_d = target_probs[:, :k].gather(-1, idx).squeeze(-1)
@@ -82,11 +93,11 @@ def torch_rejection_sample(draft_tokens, draft_probs, target_probs, uniforms, ex
     n = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
     resid = (target_probs[:, :k] - draft_probs).clamp_min_(0.0)
     mass = resid.sum(-1, keepdim=True)
-    resid = torch.where(mass > 0, resid / mass, target_probs[:, :k])
+    resid = torch.where(mass > 0, resid.div_(mass.clamp_min(1e-30)), target_probs[:, :k])
     dist = torch.cat([resid, target_probs[:, k:]], dim=1)  # [B, K+1, V]
     if exponentials is None:
-        exponentials = torch.empty_like(dist).exponential_()
-    sampled = (dist / exponentials).argmax(dim=-1)  # [B, K+1]
+        exponentials = torch.rand_like(dist).log_().neg_()  # Exp(1)
+    sampled = dist.div_(exponentials).argmax(dim=-1)  # [B, K+1]
     y = sampled.gather(1, n.unsqueeze(1)).squeeze(1)
     j = torch.arange(k + 1).unsqueeze(0)
     drafts = torch.cat([draft_tokens.long(), torch.full((b, 1), -1, dtype=torch.int64)], dim=1)
@@ -115,8 +126,8 @@ def bench_one(b, k, vocab, reps, seed=0):
     row = dict(B=b, K=k, V=vocab, nominal_bytes=nominal, touched_bytes=touched)
 
     verify = V.rejection_sample_with_noise
-    row["jnp_ms"] = _median_ms(lambda: jax.block_until_ready(verify(jx, jq, jp, ju, je)), reps)
-    row["jnp_keyed_ms"] = _median_ms(lambda: jax.block_until_ready(V.rejection_sample(key, jx, jq, jp)), reps)
+    _timed(row, "jnp", lambda: jax.block_until_ready(verify(jx, jq, jp, ju, je)), reps)
+    _timed(row, "jnp_keyed", lambda: jax.block_until_ready(V.rejection_sample(key, jx, jq, jp)), reps)
 
     inc = jax.jit(lambda a, c: (a + 1.0, c + 1.0), donate_argnums=(0, 1))
     state = [jnp.array(p), jnp.array(q)]
@@ -125,15 +136,15 @@ def bench_one(b, k, vocab, reps, seed=0):
         state[0], state[1] = inc(state[0], state[1])
         jax.block_until_ready(state)
 
-    row["copy_ms"] = _median_ms(copy_inplace, reps)
+    _timed(row, "copy", copy_inplace, reps)
     del state
     cp = jax.jit(lambda a, c: (jnp.copy(a), jnp.copy(c)))
-    row["copy_alloc_ms"] = _median_ms(lambda: jax.block_until_ready(cp(jp, jq)), reps)
+    _timed(row, "copy_alloc", lambda: jax.block_until_ready(cp(jp, jq)), reps)
     dst_p, dst_q = np.empty_like(p), np.empty_like(q)
-    row["memcpy_ms"] = _median_ms(lambda: (np.copyto(dst_p, p), np.copyto(dst_q, q)), reps)
+    _timed(row, "memcpy", lambda: (np.copyto(dst_p, p), np.copyto(dst_q, q)), reps)
     del dst_p, dst_q
     rd = jax.jit(lambda a, c: jnp.sum(a) + jnp.sum(c))
-    row["read_ms"] = _median_ms(lambda: jax.block_until_ready(rd(jp, jq)), reps)
+    _timed(row, "read", lambda: jax.block_until_ready(rd(jp, jq)), reps)
 
     row["num_accepted"] = np.asarray(verify(jx, jq, jp, ju, je).num_accepted).tolist()
     gb = lambda ms: nominal / (ms * 1e-3) / 1e9
@@ -156,9 +167,9 @@ def bench_torch(row, reps, seed=0):
     with torch.inference_mode():
         n_t, _ = torch_rejection_sample(tx, tq, tp, tu)
         row["torch_agrees_on_num_accepted"] = n_t.tolist() == row.pop("num_accepted")
-        row["torch_ms"] = _median_ms(lambda: torch_rejection_sample(tx, tq, tp, tu), reps)
-        te = torch.empty((b, k + 1, vocab)).exponential_()
-        row["torch_noise_given_ms"] = _median_ms(lambda: torch_rejection_sample(tx, tq, tp, tu, te), reps)
+        _timed(row, "torch", lambda: torch_rejection_sample(tx, tq, tp, tu), reps)
+        te = torch.rand((b, k + 1, vocab)).log_().neg_()
+        _timed(row, "torch_noise_given", lambda: torch_rejection_sample(tx, tq, tp, tu, te), reps)
         del te
     row["torch_GBps"] = row["nominal_bytes"] / (row["torch_ms"] * 1e-3) / 1e9
     row["speedup_vs_torch"] = row["torch_ms"] / row["jnp_ms"]

@@ -35,6 +35,11 @@ Backends (``rejection_sample_pallas(..., backend=...)``):
   is masked, never padded (padding would copy ``p`` and ``q``).
 * ``"triton"``: grid ``(B, K+1)``, one program per (row, position), looping over vocab tiles of
   ``block_v`` (a power of two, as Triton requires) with masked loads.
+* ``"mosaic_gpu"``: grid ``(B, K+1, cdiv(V, 256))``, the tile axis sequential, 256-wide TMA tiles
+  (a TMA box holds at most 256 elements per dimension), running state in SMEM. TMA needs 16-byte
+  aligned row strides, so a vocabulary with ``V % 4 != 0`` (f32) is padded first, which copies ``p``
+  and ``q``; prefer Triton there. (``pl.pallas_call`` for Mosaic GPU is deprecated upstream in favour
+  of ``plgpu.kernel``; jax 0.10.2 still lowers it, with a warning.)
 * ``"jnp"``: :func:`rejection_sample_reference` (what ``"auto"`` picks on CPU).
 * ``interpret=True`` runs either kernel with the Pallas interpreter (CPU tests); random numbers are
   always inputs (the TPU in-kernel PRNG returns zeros under the interpreter).
