@@ -9,12 +9,19 @@ code needs libtpu or CUDA and is not exercised here.
 """
 from __future__ import annotations
 
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import rejection_sampling as RS
+try:
+    from pallas_kernels import rejection_sampling as RS
+except ImportError:  # plain `pytest` without the repository root on sys.path (an older editable install)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from pallas_kernels import rejection_sampling as RS
 from specjax import verify as V
 
 
