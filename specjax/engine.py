@@ -31,6 +31,7 @@ import collections
 import dataclasses
 import itertools
 import time
+import warnings
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import jax
@@ -197,17 +198,14 @@ class Engine:
         self.buckets = config.buckets
         self.prefill_buckets = scheduling.validate_buckets(config.prefill_buckets)
         s = config.num_slots
-        self.state = DeviceState(
-            cache=init_cache(self.model_config, s, config.max_len),
-            drafter_state=drafter.init_state(s, config.max_len, config.gamma),
-            anchor=jnp.zeros((s,), jnp.int32))
+        self.raise_errors = False
+        self._reset_device_state()
         self.slots: list[Optional[_Live]] = [None] * s
         self.queue: collections.deque[_Live] = collections.deque()
         self.finished: dict[str, Result] = {}
         self._ids = itertools.count()
-        self._step = 0
+        self._draws = 0
         self._key = jax.random.key(config.seed)
-        self._pending_draft = None
         self.sps: Optional[scheduling.SPSProfile] = None
         self.sps_table = np.ones(self.buckets[-1] + 1)
         self.stats: list[StepStats] = []
@@ -291,8 +289,8 @@ class Engine:
         return _keys_from_seeds(seeds)
 
     def _next_key(self) -> jax.Array:
-        self._step += 1
-        return jax.random.fold_in(self._key, self._step)
+        self._draws += 1
+        return jax.random.fold_in(self._key, self._draws)
 
     # ---------------------------------------------------------------------------------- admission
     def _admit(self) -> bool:
@@ -422,7 +420,34 @@ class Engine:
         return np.full(self.config.gamma, 0.5)
 
     def step(self) -> Optional[StepStats]:
-        """Admits, drafts, schedules, verifies and emits once. Returns the step's stats."""
+        """Admits, drafts, schedules, verifies and emits once. Returns the step's stats.
+
+        If a device step fails, every request in a slot finishes with reason "error" (the message
+        kept), the device state is rebuilt, and the queue keeps being served; the exception is
+        re-raised only when ``raise_errors`` was set on the engine.
+        """
+        try:
+            return self._step()
+        except Exception as e:  # noqa: BLE001 - a device failure must not lose requests silently
+            msg = f"{type(e).__name__}: {e}"
+            for i, live in enumerate(self.slots):
+                if live is not None:
+                    self._free(i, "error", msg)
+            self._reset_device_state()
+            if self.raise_errors:
+                raise
+            warnings.warn(f"engine step failed, {msg}; its requests finished with 'error'")
+            return None
+
+    def _reset_device_state(self) -> None:
+        s = self.config.num_slots
+        self.state = DeviceState(
+            cache=init_cache(self.model_config, s, self.config.max_len),
+            drafter_state=self.drafter.init_state(s, self.config.max_len, self.config.gamma),
+            anchor=jnp.zeros((s,), jnp.int32))
+        self._pending_draft = None
+
+    def _step(self) -> Optional[StepStats]:
         t0 = time.perf_counter()
         admitted = self._admit()
         if self.num_active == 0:

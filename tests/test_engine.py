@@ -250,7 +250,7 @@ def test_request_validation_cancel_and_queue(target):
     with pytest.raises(ValueError, match="max_len"):
         engine.submit(Request(prompt=[1] * 10, max_new_tokens=20))
     with pytest.raises(ValueError, match="filters"):
-        engine.submit(Request(prompt=[1], top_k=3))
+        engine.submit(Request(prompt=[1], max_new_tokens=4, top_k=3))
     with pytest.raises(ValueError, match="confidence head"):
         Engine(target, d, p, f, EngineConfig(scheduler=SchedulerConfig("dspark")))
     ids = [engine.submit(Request(prompt=[1, 2], max_new_tokens=10, temperature=0.0))
@@ -265,7 +265,7 @@ def test_request_validation_cancel_and_queue(target):
     assert engine.finished[ids[1]].tokens == engine.finished[ids[2]].tokens
     assert len(engine.finished[ids[1]].tokens) == 10
     with pytest.raises(ValueError, match="duplicate"):
-        engine.submit(Request(prompt=[1], request_id=ids[1]))
+        engine.submit(Request(prompt=[1], max_new_tokens=4, request_id=ids[1]))
 
 
 def test_no_compilation_after_warmup(target):
@@ -302,3 +302,31 @@ def test_no_compilation_after_warmup(target):
     assert len({s.active for s in engine.stats}) >= 3  # concurrency really changed
     assert len({s.bucket for s in engine.stats}) >= 2
     assert compiles == []
+
+
+def test_failed_step_frees_slots_and_serving_continues(target, monkeypatch):
+    import specjax.engine as engine_mod
+
+    d, p, f = _drafter("ngram", target)
+    engine = Engine(target, d, p, f, EngineConfig(num_slots=2, max_len=24, gamma=2,
+                                                  prefill_buckets=(8,), filters=False,
+                                                  scheduler=SchedulerConfig("fixed")))
+    ids = [engine.submit(Request(prompt=[1, 2], max_new_tokens=6, temperature=0.0))
+           for _ in range(3)]
+    real = engine_mod.verify_step
+    calls = {"n": 0}
+
+    def flaky(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("device lost")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(engine_mod, "verify_step", flaky)
+    with pytest.warns(UserWarning, match="device lost"):
+        engine.run()
+    reasons = [engine.finished[i].finish_reason for i in ids]
+    assert reasons == ["error", "error", "length"]
+    assert "device lost" in engine.finished[ids[0]].error
+    ref, _ = _greedy_reference(target, Request(prompt=[1, 2], max_new_tokens=6))
+    assert engine.finished[ids[2]].tokens == ref
