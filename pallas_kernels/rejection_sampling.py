@@ -40,7 +40,9 @@ Backends (``rejection_sample_pallas(..., backend=...)``):
   aligned row strides, so a vocabulary with ``V % 4 != 0`` (f32) is padded first, which copies ``p``
   and ``q``; prefer Triton there. (``pl.pallas_call`` for Mosaic GPU is deprecated upstream in favour
   of ``plgpu.kernel``; jax 0.10.2 still lowers it, with a warning.)
-* ``"jnp"``: :func:`rejection_sample_reference` (what ``"auto"`` picks on CPU).
+* ``"jnp"``: :func:`specjax.verify.rejection_sample_with_noise`, the gather-based verifier (reads two
+  rows per batch row instead of everything; what ``"auto"`` picks on CPU). ``"reference"``:
+  :func:`rejection_sample_reference`, the kernel's plain-jnp mirror.
 * ``interpret=True`` runs either kernel with the Pallas interpreter (CPU tests); random numbers are
   always inputs (the TPU in-kernel PRNG returns zeros under the interpreter).
 """
@@ -54,7 +56,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from specjax.verify import VerifyOutput
+from specjax.verify import VerifyOutput, rejection_sample_with_noise
 
 __all__ = [
     "RejectionTiles",
@@ -477,7 +479,8 @@ def rejection_sample_pallas(
     Args:
       draft_tokens: int32 ``[B, K]``; draft_probs: ``[B, K, V]``; target_probs: ``[B, K+1, V]``;
       uniforms: float32 ``[B, K]``; exponentials: float32 ``[B, V]``; num_draft: int32 ``[B]``.
-      backend: ``"auto"`` (:func:`default_backend`), ``"mosaic_tpu"``, ``"triton"`` or ``"jnp"``.
+      backend: ``"auto"`` (:func:`default_backend`), ``"mosaic_tpu"``, ``"triton"``, ``"mosaic_gpu"``,
+        ``"jnp"`` (the gather-based verifier) or ``"reference"`` (the kernel's jnp mirror).
       tiles: :class:`RejectionTiles`.
       interpret: run the kernel in the Pallas interpreter (any platform, e.g. CPU tests).
     """
@@ -485,6 +488,8 @@ def rejection_sample_pallas(
     if backend in (None, "auto"):
         backend = default_backend()
     if backend == "jnp":
+        return rejection_sample_with_noise(draft_tokens, draft_probs, target_probs, uniforms, exponentials, num_draft)
+    if backend == "reference":
         return rejection_sample_reference(draft_tokens, draft_probs, target_probs, uniforms, exponentials, num_draft)
     stats = position_stats_pallas(
         draft_tokens, draft_probs, target_probs, exponentials, backend=backend, tiles=tiles, interpret=interpret

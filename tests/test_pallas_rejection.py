@@ -77,7 +77,8 @@ def test_reference_matches_verify(b, k, vocab):
         if b > 3:
             assert int(ref.num_accepted[2]) == 0 and float(args[2][2, 0, int(ref.tokens[2, 0])]) > 0  # fallback to p
             assert int(ref.num_accepted[3]) == 0  # q(x) = 0 rejects
-    assert_same(RS.rejection_sample_pallas(*args, backend="auto"), ref)  # CPU -> jnp
+    assert_same(RS.rejection_sample_pallas(*args, backend="auto"), ref)  # CPU -> the jnp verifier
+    assert_same(RS.rejection_sample_pallas(*args, backend="reference"), ref)
 
 
 @pytest.mark.parametrize("backend", ["mosaic_tpu", "triton", "mosaic_gpu"])
