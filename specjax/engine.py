@@ -40,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 from specjax import scheduling
-from specjax.drafters.base import Sampling
+from specjax.drafters.base import DraftOutput, Sampling
 from specjax.engine_steps import DeviceState, draft_step, prefill_step, verify_step
 from specjax.models.kv_cache import init_cache
 from specjax.scheduling import SchedulerConfig
@@ -74,7 +74,8 @@ class Result:
     """A finished request.
 
     tokens: generated ids. finish_reason: one of FINISH_REASONS. error: message when "error".
-    submit_time, first_token_time, finish_time: ``time.perf_counter()`` stamps.
+    submit_time, admit_time (moved into a slot), first_token_time, finish_time:
+    ``time.perf_counter()`` stamps.
     token_times: emission time of every generated token (tokens of one step share a stamp).
     steps: verification steps the request took part in; accepted: drafts accepted in total.
     """
@@ -84,6 +85,7 @@ class Result:
     finish_reason: str
     error: Optional[str] = None
     submit_time: float = 0.0
+    admit_time: Optional[float] = None
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
     token_times: list = dataclasses.field(default_factory=list)
@@ -206,6 +208,7 @@ class Engine:
         self._ids = itertools.count()
         self._draws = 0
         self._key = jax.random.key(config.seed)
+        self._empty_draft = None
         self.sps: Optional[scheduling.SPSProfile] = None
         self.sps_table = np.ones(self.buckets[-1] + 1)
         self.stats: list[StepStats] = []
@@ -299,6 +302,7 @@ class Engine:
         for i in range(self.config.num_slots):
             if self.slots[i] is None and self.queue:
                 self.slots[i] = self.queue.popleft()
+                self.slots[i].result.admit_time = time.perf_counter()
                 new.append(i)
         if not new:
             return False
@@ -384,6 +388,14 @@ class Engine:
                           self._next_key(), self._sampling(), gamma=g,
                           argmax=self.config.method == "target_only")
 
+    def _no_draft(self) -> DraftOutput:
+        """Placeholder drafts for the "none" policy (never verified: ℓ = 0)."""
+        if self._empty_draft is None:
+            s, g, v = self.config.num_slots, self.config.gamma, self.model_config.vocab_size
+            self._empty_draft = DraftOutput(jnp.zeros((s, g), jnp.int32),
+                                            jnp.zeros((s, g, v), jnp.float32), None)
+        return self._empty_draft
+
     def _schedule(self, draft) -> np.ndarray:
         """ℓ per slot (-1 idle) from the policy; capped so no request overshoots max_new_tokens."""
         cfg = self.config
@@ -452,7 +464,10 @@ class Engine:
         admitted = self._admit()
         if self.num_active == 0:
             return None
-        if self._pending_draft is None or admitted:
+        if self.config.scheduler.policy == "none":
+            # Plain decoding through the same verification step: no drafting cost at all.
+            self._pending_draft = (self._no_draft(), self.state.drafter_state)
+        elif self._pending_draft is None or admitted:
             self._pending_draft = self._draft()
         draft, dstate_after = self._pending_draft
         self._pending_draft = None
@@ -468,7 +483,7 @@ class Engine:
             self.graphdef, self.target_state, self.drafter, self.params, self.frozen, self.state,
             draft.tokens, draft.probs, num_draft, keys, sampling, bucket=bucket,
             gamma=self.config.gamma, method=self.config.method)
-        if self.config.overlap:
+        if self.config.overlap and self.config.scheduler.policy != "none":
             self._pending_draft = self._draft()  # queued behind verification on the device
         tokens = np.asarray(result.tokens)
         accepted = np.asarray(result.num_accepted)

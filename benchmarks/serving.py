@@ -1,0 +1,294 @@
+"""Load benchmark of the serving engine: scheduling policies × concurrency (closed loop) and
+Poisson arrivals (open loop).
+
+For each concurrency C the engine has C slots and C·(k+1)-token buckets; N = ``--requests-per-slot``
+× C requests are queued at once, so C are always in flight (closed loop). Per (C, policy) it
+records aggregate tokens/s, per-user tokens/s (a request's tokens / its decode time), TTFT (from
+admission), p50 / p99 inter-token latency (gaps between a request's emission steps), mean tokens
+per step per request (τ), and the scheduler's host cost as a fraction of step time. Every
+(C, policy) run is repeated ``--reps`` times and medians are reported; policies at one C share
+one SPS profile and one set of compiled steps, and run interleaved so machine noise hits all.
+
+The overlap of host work with device drafting (``EngineConfig.overlap``) is measured as an
+on/off ratio at one concurrency in the same run.
+
+Run (the trained drafter and target come from the reproduction driver, experiments/reproduce.py):
+    .venv/bin/python -m benchmarks.serving --drafter-workdir WORK/dspark_markov_g7 \
+        --target-workdir ~/.cache/specjax/targets/full-XXXX --prompts WORK/data/heldout.npz
+    .venv/bin/python -m benchmarks.serving --quick       # random weights: a smoke run
+Writes ``benchmarks/results/serving.json``, ``docs/SERVING_RESULTS.md`` table and a Pareto PNG.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from specjax.engine import Engine, EngineConfig, Request
+from specjax.scheduling import SchedulerConfig
+
+POLICIES = {
+    "none": SchedulerConfig("none"),
+    "mtp1": SchedulerConfig("mtp1"),
+    "fixed2": SchedulerConfig("fixed", k=2),
+    "fixed4": SchedulerConfig("fixed", k=4),
+    "fixed7": SchedulerConfig("fixed", k=7),
+    "threshold0.5": SchedulerConfig("threshold", threshold=0.5),
+    "dspark": SchedulerConfig("dspark"),
+    "production": SchedulerConfig("production"),
+}
+
+
+def load_models(args):
+    """(target (graphdef, params), drafter, params, frozen, gamma)."""
+    from specjax.drafters import DSparkConfig, DSparkDrafter, shared_head
+    if args.drafter_workdir:
+        from specjax.training.drafter_task import load_drafter, load_target
+        drafter, params, task = load_drafter(args.drafter_workdir)
+        target = load_target(task.target_config, args.target_workdir or "")
+        if not args.target_workdir:
+            print("warning: --target-workdir not given: random target weights")
+        return target, drafter, params, shared_head(target), task.gamma
+    from specjax.models import get_preset, init_model
+    from flax import nnx
+    model = init_model(get_preset(args.preset), seed=0)
+    drafter, params = DSparkDrafter.create(model.config, DSparkConfig(), seed=0)
+    return nnx.split(model), drafter, params, shared_head(model), args.gamma
+
+
+def load_prompts(args, vocab: int, n: int) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    if args.prompts and os.path.exists(args.prompts):
+        data = np.load(args.prompts)
+        rows = data[data.files[0]]
+        out = []
+        for i in range(n):
+            row = rows[i % len(rows)]
+            row = row[row > 0] if (row > 0).any() else row
+            out.append([int(t) for t in row[:args.prompt_len]])
+        return out
+    return [rng.integers(0, vocab, size=args.prompt_len).tolist() for _ in range(n)]
+
+
+def summarize(results, wall: float, engine: Engine) -> dict:
+    toks = sum(len(r.tokens) for r in results)
+    per_user, ttft, itl = [], [], []
+    for r in results:
+        if len(r.tokens) > 1 and r.finish_time > r.first_token_time:
+            per_user.append((len(r.tokens) - 1) / (r.finish_time - r.first_token_time))
+        ttft.append(r.first_token_time - r.admit_time)
+        times = sorted(set(r.token_times))
+        itl.extend(np.diff(times).tolist())
+    steps = [s for s in engine.stats if s.active]
+    host = [s.schedule_s for s in steps]
+    step_t = [s.step_s for s in steps]
+    emitted = sum(s.accepted + s.active for s in steps)
+    return {
+        "aggregate_tok_s": toks / wall,
+        "per_user_tok_s": float(np.median(per_user)) if per_user else 0.0,
+        "ttft_ms": 1e3 * float(np.median(ttft)),
+        "itl_p50_ms": 1e3 * float(np.percentile(itl, 50)) if itl else 0.0,
+        "itl_p99_ms": 1e3 * float(np.percentile(itl, 99)) if itl else 0.0,
+        "tau": emitted / max(1, sum(s.active for s in steps)),
+        "mean_bucket": float(np.mean([s.bucket for s in steps])),
+        "host_frac": float(np.sum(host) / max(np.sum(step_t), 1e-12)),
+        "steps": len(steps),
+        "tokens": toks,
+    }
+
+
+def run_one(target, drafter, params, frozen, cfg: EngineConfig, prompts, max_new: int,
+            temperature: float, sps=None):
+    engine = Engine(target, drafter, params, frozen, cfg)
+    engine.warmup(profile=sps is None)
+    if sps is not None:
+        engine.set_sps(sps)
+    reqs = [Request(prompt=p, max_new_tokens=max_new, temperature=temperature, seed=i)
+            for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    results = engine.generate(reqs)
+    return summarize(results, time.perf_counter() - t0, engine), engine
+
+
+def poisson(target, drafter, params, frozen, cfg, prompts, max_new, temperature, rate, sps):
+    """Open loop: requests arrive with exponential gaps (rate per second)."""
+    engine = Engine(target, drafter, params, frozen, cfg)
+    engine.warmup(profile=False)
+    engine.set_sps(sps)
+    rng = np.random.default_rng(1)
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, size=len(prompts)))
+    t0 = time.perf_counter()
+    i, ids = 0, []
+    while i < len(prompts) or engine.has_work():
+        now = time.perf_counter() - t0
+        while i < len(prompts) and arrivals[i] <= now:
+            ids.append(engine.submit(Request(prompt=prompts[i], max_new_tokens=max_new,
+                                             temperature=temperature, seed=i)))
+            i += 1
+        if engine.has_work():
+            engine.step()
+        else:
+            time.sleep(min(0.002, max(0.0, arrivals[i] - now)) if i < len(prompts) else 0)
+    results = [engine.finished[r] for r in ids]
+    out = summarize(results, time.perf_counter() - t0, engine)
+    out["ttft_ms"] = 1e3 * float(np.median([r.first_token_time - r.submit_time for r in results]))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--drafter-workdir")
+    ap.add_argument("--target-workdir")
+    ap.add_argument("--prompts", help="npz of token rows (e.g. the reproduction's heldout.npz)")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--gamma", type=int, default=7)
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--requests-per-slot", type=int, default=3)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--overlap-at", type=int, default=8)
+    ap.add_argument("--poisson-rates", default="", help="requests/s, e.g. 2,4,8 (32 slots)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results/serving.json")
+    ap.add_argument("--md", default="docs/SERVING_RESULTS.md")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.preset, args.concurrency, args.reps = "tiny", "1,4", 1
+        args.max_new_tokens, args.requests_per_slot = 16, 2
+        args.policies = "none,mtp1,fixed4,dspark,production"
+        args.gamma, args.overlap_at = 4, 4
+    target, drafter, params, frozen, gamma = load_models(args)
+    vocab = frozen.vocab_size
+    conc = [int(c) for c in args.concurrency.split(",")]
+    pols = args.policies.split(",")
+    report = {"machine": f"{platform.machine()} {os.cpu_count()} cpus", "backend":
+              jax.default_backend(), "gamma": gamma, "args": vars(args), "closed_loop": {},
+              "overlap": {}, "poisson": {}}
+    max_len = args.prompt_len + args.max_new_tokens + gamma + 2
+    for c in conc:
+        prompts = load_prompts(args, vocab, args.requests_per_slot * c)
+        base = EngineConfig(num_slots=c, max_len=max_len, gamma=gamma,
+                            prefill_buckets=(args.prompt_len,), filters=False)
+        prof_engine = Engine(target, drafter, params, frozen, base)
+        prof_engine.warmup(profile=True)
+        sps = prof_engine.sps
+        runs = {p: [] for p in pols}
+        for rep in range(args.reps):
+            for p in pols:
+                cfg = EngineConfig(**{**base.__dict__, "scheduler": POLICIES[p]})
+                r, _ = run_one(target, drafter, params, frozen, cfg, prompts,
+                               args.max_new_tokens, args.temperature, sps)
+                runs[p].append(r)
+                print(f"C={c:3d} {p:13s} rep {rep}: agg {r['aggregate_tok_s']:8.1f} tok/s  "
+                      f"user {r['per_user_tok_s']:7.1f}  tau {r['tau']:.2f}  "
+                      f"bucket {r['mean_bucket']:.1f}  host {100 * r['host_frac']:.2f}%",
+                      flush=True)
+        report["closed_loop"][c] = {
+            "sps": {"buckets": list(sps.buckets), "steps_per_s": list(sps.steps_per_s)},
+            "policies": {p: {k: statistics.median(x[k] for x in rs) for k in rs[0]}
+                         for p, rs in runs.items()}}
+        if c == args.overlap_at:
+            ratios = []
+            for rep in range(args.reps):
+                res = {}
+                for ov in (False, True):
+                    cfg = EngineConfig(**{**base.__dict__, "scheduler": POLICIES["dspark"]
+                                          if "dspark" in pols else POLICIES[pols[0]],
+                                          "overlap": ov})
+                    res[ov] = run_one(target, drafter, params, frozen, cfg, prompts,
+                                      args.max_new_tokens, args.temperature, sps)[0]
+                ratios.append(res[True]["aggregate_tok_s"] / res[False]["aggregate_tok_s"])
+            report["overlap"] = {"concurrency": c, "on_over_off_aggregate": ratios,
+                                 "median": statistics.median(ratios)}
+            print(f"overlap on/off aggregate throughput at C={c}: {ratios}")
+    if args.poisson_rates:
+        c = max(conc)
+        prompts = load_prompts(args, vocab, args.requests_per_slot * c)
+        base = EngineConfig(num_slots=c, max_len=max_len, gamma=gamma,
+                            prefill_buckets=(args.prompt_len,), filters=False)
+        sps = SPSFromReport = report["closed_loop"][c]["sps"]
+        from specjax.scheduling import SPSProfile
+        prof = SPSProfile(tuple(SPSFromReport["buckets"]), tuple(sps["steps_per_s"]))
+        for rate in [float(r) for r in args.poisson_rates.split(",")]:
+            report["poisson"][rate] = {}
+            for p in pols:
+                cfg = EngineConfig(**{**base.__dict__, "scheduler": POLICIES[p]})
+                report["poisson"][rate][p] = poisson(target, drafter, params, frozen, cfg,
+                                                     prompts, args.max_new_tokens,
+                                                     args.temperature, rate, prof)
+                print(f"poisson {rate}/s {p}: {report['poisson'][rate][p]}", flush=True)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    write_markdown(report, args.md, argv)
+    plot_pareto(report, os.path.splitext(args.out)[0] + "_pareto.png")
+    print(f"wrote {args.out}, {args.md}")
+    return report
+
+
+def write_markdown(report: dict, path: str, argv) -> None:
+    lines = ["# Serving benchmark (measured)", "",
+             f"Machine: {report['machine']} ({report['backend']}), γ = {report['gamma']}. "
+             "Medians over repetitions; see `benchmarks/serving.py`.", "",
+             "Command: `.venv/bin/python -m benchmarks.serving "
+             + " ".join(argv or []) + "`", ""]
+    for c, block in report["closed_loop"].items():
+        lines += [f"## Closed loop, concurrency {c}", "",
+                  "| policy | aggregate tok/s | per-user tok/s | τ | mean bucket | TTFT ms | "
+                  "ITL p50 ms | ITL p99 ms | host cost |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for p, r in block["policies"].items():
+            lines.append(f"| {p} | {r['aggregate_tok_s']:.1f} | {r['per_user_tok_s']:.1f} | "
+                         f"{r['tau']:.2f} | {r['mean_bucket']:.1f} | {r['ttft_ms']:.1f} | "
+                         f"{r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | "
+                         f"{100 * r['host_frac']:.2f}% |")
+        lines.append("")
+    if report["overlap"]:
+        o = report["overlap"]
+        lines += [f"Overlap of drafting with host work at concurrency {o['concurrency']}: "
+                  f"aggregate throughput on/off = {o['median']:.3f} (runs: "
+                  + ", ".join(f"{x:.3f}" for x in o["on_over_off_aggregate"]) + ")", ""]
+    for rate, block in report["poisson"].items():
+        lines += [f"## Open loop, Poisson {rate} requests/s", "",
+                  "| policy | aggregate tok/s | per-user tok/s | TTFT ms (from arrival) | "
+                  "ITL p99 ms |", "|---|---|---|---|---|"]
+        for p, r in block.items():
+            lines.append(f"| {p} | {r['aggregate_tok_s']:.1f} | {r['per_user_tok_s']:.1f} | "
+                         f"{r['ttft_ms']:.1f} | {r['itl_p99_ms']:.1f} |")
+        lines.append("")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def plot_pareto(report: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    pols = next(iter(report["closed_loop"].values()))["policies"].keys()
+    for p in pols:
+        xs = [b["policies"][p]["per_user_tok_s"] for b in report["closed_loop"].values()]
+        ys = [b["policies"][p]["aggregate_tok_s"] for b in report["closed_loop"].values()]
+        ax.plot(xs, ys, marker="o", label=p)
+    ax.set_xlabel("per-user tokens/s")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.set_title("Closed-loop concurrency sweep (each point one concurrency)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
