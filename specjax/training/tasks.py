@@ -77,6 +77,8 @@ def register_task(name: str, builder, defaults, validate=None) -> None:
 def _ensure_builtin() -> None:
     if "lm" not in _REGISTRY:
         import specjax.training.lm_task  # noqa: F401  (registers "lm")
+    if "drafter" not in _REGISTRY:
+        import specjax.training.drafter_task  # noqa: F401  (registers "drafter")
 
 
 def registered_tasks() -> tuple[str, ...]:

@@ -1,0 +1,603 @@
+"""Offline evaluation of drafters: acceptance per position, τ, predicted E[τ], entropy slopes.
+
+How acceptance is measured ("teacher-forced contexts, real drafting, real verification"). For a
+held-out row ``t_0 .. t_{L-1}`` and an *anchor* position ``i`` (sampled per row), the speculative
+state is exactly the one the decoding loop would be in after emitting ``t_0 .. t_{i+1}``: the
+target's KV cache holds ``t_0 .. t_i`` and ``t_{i+1}`` is the anchor (the last emitted token); the
+drafter's state is its prefill / commit on the same prefix. From that state one speculative step is
+run with the same pieces as :func:`specjax.speculative.step`: the drafter *samples* ``γ`` drafts
+from its own chain (each conditioned on its previous drafts, not on ground truth), the target scores
+``[anchor, x_1 .. x_γ]`` in one cached forward, and the verifier (``rejection_sample`` /
+``target_only_sample`` / ``greedy_verify`` of :mod:`specjax.verify`) accepts a prefix. So every
+number is a real draft-and-verify outcome; only the *context* is held-out text instead of the
+model's own earlier output (which is what makes thousands of independent steps cheap: one target
+forward per row gives every anchor's cache and hidden states; see :func:`prefix_states`).
+
+Per step the evaluation records ``num_accepted`` and, for each draft position k, the analytic
+acceptance probability of that draft *given its drafted prefix*
+(``Σ_v min(p_k, q_k) = 1 − TV(p_k, q_k)`` for rejection sampling, ``p_k(x_k)`` for target-only
+and greedy, where ``x_k = argmax q_k`` and ``p_k`` is one-hot under greedy), the target entropy
+``H(p_k)`` (of the distribution the verifier uses; for greedy, of the temperature-1 target), and the
+drafter's confidences when it has a confidence head.
+
+Metrics (:func:`summarize`, all numpy):
+
+* ``acceptance[k]`` — P(draft k accepted | drafts < k accepted), the verifier's decisions over the
+  steps that reached k; ``alpha[k]`` — mean analytic acceptance probability over the same steps
+  (same expectation, lower variance: given the prefix, the decision is Bernoulli(alpha)).
+* ``tau`` — mean emitted tokens per step = accepted + 1 (the bonus / correction token included),
+  with its standard error; ``accept_rate`` = mean accepted / γ (= 1 − e2e-TV of the chain, Bebop's
+  "acceptance rate" of a γ-step MTP).
+* ``tau_pred`` — ``1 + Σ_j Π_{i≤j} alpha_i`` (Bebop eq. 12 + the bonus) from the measured alphas;
+  the gap to ``tau`` is the correlation of acceptance across positions within a step (easy contexts
+  accept everything), which the product of marginals ignores.
+* ``entropy_fit`` — least-squares line ``alpha ≈ a − b·H`` over all (step, position) pairs that were
+  verified (Bebop §3, eq. 5 / 9), with the slope's standard error, r and n; ``entropy_bins`` —
+  mean acceptance per entropy bin (for the plot).
+
+The math helpers are plain numpy and tested on hand-computable cases (tests/test_evaluation.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+from typing import Any, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.drafters import (DraftLMDrafter, DSparkDrafter, MTPDrafter, NGramDrafter,
+                              Observation, Sampling)
+from specjax.drafters.draft_lm import DraftLMState
+from specjax.drafters.dspark import DSparkState
+from specjax.drafters.mtp import MTPState
+from specjax.drafters.ngram import NGramState
+from specjax.models.kv_cache import KVCache, init_cache
+from specjax.models.transformer import apply
+from specjax.verify import greedy_verify, rejection_sample, target_only_sample
+
+__all__ = [
+    "RULES", "DEFAULT_GRID", "acceptance_by_position", "mean_accepted_length", "expected_tau",
+    "linear_fit", "entropy", "binned_means", "StepRecords", "summarize", "anchor_positions",
+    "prefix_states", "verify_at_anchors", "evaluate_drafter", "results_markdown",
+    "plot_acceptance_per_position", "plot_acceptance_vs_entropy", "to_jsonable",
+]
+
+RULES = ("rejection", "target_only", "greedy")
+# (rule, temperature) pairs evaluated by default. At temperature 0 the target's and the drafter's
+# distributions are one-hot, so rejection and target-only sampling *are* greedy verification.
+DEFAULT_GRID = (("greedy", 0.0), ("rejection", 0.6), ("rejection", 1.0),
+                ("target_only", 0.6), ("target_only", 1.0))
+
+
+# ------------------------------------------------------------------------------------------------
+# math (numpy)
+# ------------------------------------------------------------------------------------------------
+def acceptance_by_position(num_accepted, gamma: int, num_draft=None):
+    """Conditional acceptance per position.
+
+    Args:
+      num_accepted: int ``[N]`` accepted drafts per step.
+      gamma: γ (drafts per step).
+      num_draft: optional int ``[N]`` drafts verified per step (default γ).
+    Returns:
+      ``(rate [γ], reached [γ])``: ``rate[k]`` = fraction of steps with draft k+1 accepted among
+      the ``reached[k]`` steps that verified it with drafts 1..k accepted (NaN if none).
+    """
+    a = np.asarray(num_accepted).reshape(-1)
+    nd = np.full_like(a, gamma) if num_draft is None else np.asarray(num_draft).reshape(-1)
+    rate = np.full(gamma, np.nan)
+    reached = np.zeros(gamma, np.int64)
+    for k in range(gamma):
+        r = (a >= k) & (nd > k)
+        reached[k] = int(r.sum())
+        if reached[k]:
+            rate[k] = float((a[r] > k).mean())
+    return rate, reached
+
+
+def mean_accepted_length(num_accepted) -> tuple[float, float]:
+    """``(τ, standard error)``: mean emitted tokens per step, accepted + 1 (bonus included)."""
+    a = np.asarray(num_accepted, np.float64).reshape(-1)
+    if a.size == 0:
+        return float("nan"), float("nan")
+    se = float(a.std(ddof=1) / math.sqrt(a.size)) if a.size > 1 else float("nan")
+    return float(a.mean() + 1.0), se
+
+
+def expected_tau(alpha) -> np.ndarray:
+    """``1 + Σ_j Π_{i≤j} α_i`` over the last axis (Bebop eq. 12 plus the bonus token)."""
+    a = np.asarray(alpha, np.float64)
+    return 1.0 + np.cumprod(a, axis=-1).sum(axis=-1)
+
+
+def linear_fit(x, y) -> dict:
+    """Ordinary least squares ``y ≈ intercept + slope·x`` with standard errors.
+
+    Returns ``{"slope", "intercept", "slope_se", "intercept_se", "r", "n"}`` (NaNs when fewer than
+    3 points or no spread in x). The slope equals ``numpy.polyfit(x, y, 1)[0]``;
+    ``slope_se = sqrt(Σ residual² / (n − 2) / Σ (x − x̄)²)``.
+    """
+    x = np.asarray(x, np.float64).reshape(-1)
+    y = np.asarray(y, np.float64).reshape(-1)
+    n = x.size
+    out = {"slope": float("nan"), "intercept": float("nan"), "slope_se": float("nan"),
+           "intercept_se": float("nan"), "r": float("nan"), "n": int(n)}
+    if n < 3:
+        return out
+    xm, ym = x.mean(), y.mean()
+    sxx = float(((x - xm) ** 2).sum())
+    if sxx <= 0:
+        return out
+    sxy = float(((x - xm) * (y - ym)).sum())
+    slope = sxy / sxx
+    intercept = ym - slope * xm
+    resid = y - (intercept + slope * x)
+    s2 = float((resid ** 2).sum()) / (n - 2)
+    syy = float(((y - ym) ** 2).sum())
+    out.update(slope=slope, intercept=float(intercept), slope_se=math.sqrt(s2 / sxx),
+               intercept_se=math.sqrt(s2 * (1.0 / n + xm * xm / sxx)),
+               r=sxy / math.sqrt(sxx * syy) if syy > 0 else float("nan"))
+    return out
+
+
+def entropy(probs, axis: int = -1):
+    """Shannon entropy in nats, ``−Σ p log p`` (``0 log 0 = 0``); numpy or jax arrays."""
+    xp = jnp if isinstance(probs, jax.Array) else np
+    p = probs
+    logp = xp.log(xp.where(p > 0, p, 1.0))
+    return -(p * logp).sum(axis=axis)
+
+
+def binned_means(x, y, edges) -> dict:
+    """Mean of ``y`` per bin of ``x`` (``edges`` increasing; ``edges[b] ≤ x < edges[b+1]``).
+
+    Returns ``{"center", "mean", "se", "n"}`` lists (NaN for empty bins)."""
+    x = np.asarray(x, np.float64).reshape(-1)
+    y = np.asarray(y, np.float64).reshape(-1)
+    edges = np.asarray(edges, np.float64)
+    idx = np.clip(np.searchsorted(edges, x, side="right") - 1, 0, len(edges) - 2)
+    inside = (x >= edges[0]) & (x <= edges[-1])
+    out = {"center": ((edges[:-1] + edges[1:]) / 2).tolist(), "mean": [], "se": [], "n": []}
+    for b in range(len(edges) - 1):
+        sel = inside & (idx == b)
+        n = int(sel.sum())
+        out["n"].append(n)
+        out["mean"].append(float(y[sel].mean()) if n else float("nan"))
+        out["se"].append(float(y[sel].std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan"))
+    return out
+
+
+@dataclasses.dataclass
+class StepRecords:
+    """Raw per-step outcomes of one (drafter, rule, temperature, domain) evaluation.
+
+    num_accepted: int ``[N]``; accept_prob, tv, entropy, entropy_raw: float ``[N, γ]`` (analytic
+    acceptance probability of each draft given its drafted prefix, TV(p_k, q_k), entropy of the
+    verifier's p_k and of the temperature-1 target); confidences: ``[N, γ]`` or None.
+    """
+
+    num_accepted: np.ndarray
+    accept_prob: np.ndarray
+    tv: np.ndarray
+    entropy: np.ndarray
+    entropy_raw: np.ndarray
+    confidences: Optional[np.ndarray] = None
+
+    @property
+    def gamma(self) -> int:
+        return self.accept_prob.shape[1]
+
+    @staticmethod
+    def concat(parts: Sequence["StepRecords"]) -> "StepRecords":
+        conf = None if parts[0].confidences is None else \
+            np.concatenate([p.confidences for p in parts])
+        return StepRecords(*(np.concatenate([getattr(p, f) for p in parts])
+                             for f in ("num_accepted", "accept_prob", "tv", "entropy",
+                                       "entropy_raw")), confidences=conf)
+
+    def reached(self) -> np.ndarray:
+        """bool ``[N, γ]``: draft k was verified with drafts < k accepted."""
+        return np.arange(self.gamma)[None, :] <= self.num_accepted[:, None]
+
+    def accepted(self) -> np.ndarray:
+        """bool ``[N, γ]`` verifier decisions (entries after the first rejection are False and
+        meaningless; see :mod:`specjax.calibration`)."""
+        return np.arange(self.gamma)[None, :] < self.num_accepted[:, None]
+
+
+ENTROPY_EDGES = np.linspace(0.0, 6.0, 13)
+
+
+def summarize(rec: StepRecords, *, entropy_edges=ENTROPY_EDGES, raw_entropy: bool = False) -> dict:
+    """The metrics of the module docstring for one evaluation cell (JSON-ready floats/lists)."""
+    g = rec.gamma
+    acc, reached_n = acceptance_by_position(rec.num_accepted, g)
+    reached = rec.reached()
+    alpha = np.array([rec.accept_prob[reached[:, k], k].mean() if reached[:, k].any()
+                      else np.nan for k in range(g)])
+    ent_pos = np.array([rec.entropy[reached[:, k], k].mean() if reached[:, k].any()
+                        else np.nan for k in range(g)])
+    tau, tau_se = mean_accepted_length(rec.num_accepted)
+    n = rec.num_accepted.size
+    a = rec.num_accepted.astype(np.float64)
+    h = (rec.entropy_raw if raw_entropy else rec.entropy)[reached]
+    y = rec.accept_prob[reached]
+    y_ind = rec.accepted()[reached].astype(np.float64)
+    return {
+        "n_steps": int(n),
+        "tau": tau, "tau_se": tau_se,
+        "accept_rate": float(a.mean() / g) if n else float("nan"),
+        "accept_rate_se": float(a.std(ddof=1) / g / math.sqrt(n)) if n > 1 else float("nan"),
+        "acceptance": acc.tolist(), "reached": reached_n.tolist(),
+        "alpha": alpha.tolist(),
+        "tau_pred": float(expected_tau(np.nan_to_num(alpha))),
+        "tau_pred_from_rates": float(expected_tau(np.nan_to_num(acc))),
+        "alpha_1": float(alpha[0]),
+        "tv_1": float(rec.tv[:, 0].mean()) if n else float("nan"),
+        "entropy": ent_pos.tolist(),
+        "entropy_mean": float(h.mean()) if h.size else float("nan"),
+        "entropy_fit": linear_fit(h, y),
+        "entropy_fit_indicator": linear_fit(h, y_ind),
+        "entropy_bins": binned_means(h, y, entropy_edges),
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# speculative states at teacher-forced anchors (jax)
+# ------------------------------------------------------------------------------------------------
+def anchor_positions(lengths, anchors_per_row: int, *, min_context: int = 4, seed: int = 0,
+                     max_anchor: Optional[int] = None) -> np.ndarray:
+    """``int32 [R, A]`` anchor positions ``i`` (``-1`` = none), uniformly without replacement
+    among ``min_context − 1 ≤ i ≤ L − 2`` (the anchor token ``t_{i+1}`` is the row's last or an
+    earlier token; at least ``min_context`` tokens precede it)."""
+    lengths = np.asarray(lengths)
+    rng = np.random.default_rng(seed)
+    out = np.full((len(lengths), anchors_per_row), -1, np.int32)
+    lo = max(min_context - 1, 0)
+    for r, length in enumerate(lengths):
+        hi = int(length) - 2 if max_anchor is None else min(int(length) - 2, max_anchor)
+        if hi < lo:
+            continue
+        cand = np.arange(lo, hi + 1)
+        pick = rng.choice(cand, size=min(anchors_per_row, cand.size), replace=False)
+        out[r, :pick.size] = np.sort(pick)
+    return out
+
+
+def _take_rows(x: jax.Array, rows: jax.Array, axis: int = 0) -> jax.Array:
+    return jnp.take(x, rows, axis=axis)
+
+
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "gamma", "max_len",
+                                             "generic"))
+def prefix_states(target_graphdef, target_params, drafter, params, frozen, tokens: jax.Array,
+                  lengths: jax.Array, anchors: jax.Array, *, gamma: int, max_len: int,
+                  generic: bool = False):
+    """The speculative state of every anchor of every row, as after emitting ``t_0..t_{i+1}``.
+
+    Args:
+      tokens: int32 ``[R, T]`` rows; lengths: int32 ``[R]``; anchors: int32 ``[R, A]``
+        (negative = unused; such slots get anchor 0 and must be ignored by the caller).
+      gamma: draft length (fixes the drafter state's shapes); max_len: cache positions
+        (``>= T + γ + 1``).
+      generic: use each drafter's own ``prefill`` on every slot's prefix (slow, any drafter)
+        instead of the fast per-drafter construction (one target / drafter pass per row, then
+        per-anchor views; equal to the generic path, tested).
+    Returns:
+      ``(target_cache, drafter_state, anchor_token)`` for ``S = R·A`` slots (row-major).
+    """
+    r, t = tokens.shape
+    a = anchors.shape[1]
+    slot_row = jnp.repeat(jnp.arange(r), a)
+    i = jnp.maximum(anchors.reshape(-1), 0)
+    anchor_tok = tokens[slot_row, jnp.minimum(i + 1, t - 1)]
+    target = nnx.merge(target_graphdef, target_params)
+    tcache = init_cache(target.config, r, max_len)
+    out = target(tokens, cache=tcache, num_valid=lengths, hidden_layers=drafter.hidden_layers)
+    cache = KVCache(k=_take_rows(out.cache.k, slot_row, 1), v=_take_rows(out.cache.v, slot_row, 1),
+                    lengths=(i + 1).astype(jnp.int32))
+    hidden = out.hidden
+    s = slot_row.shape[0]
+    if generic:
+        obs = Observation(tokens=tokens[slot_row], num_valid=(i + 1).astype(jnp.int32),
+                          start=jnp.zeros((s,), jnp.int32), next_token=anchor_tok,
+                          hidden=None if hidden is None else hidden[:, slot_row])
+        state = drafter.prefill(params, frozen, drafter.init_state(s, max_len, gamma), obs)
+        return cache, state, anchor_tok
+    full = Observation(tokens=tokens, num_valid=lengths.astype(jnp.int32),
+                       start=jnp.zeros((r,), jnp.int32), next_token=jnp.zeros((r,), jnp.int32),
+                       hidden=hidden)
+    if isinstance(drafter, DSparkDrafter):
+        st = drafter.commit(params, frozen, drafter.init_state(r, max_len, gamma), full)
+        state = DSparkState(k=tuple(x[slot_row] for x in st.k), v=tuple(x[slot_row] for x in st.v),
+                            ctx_len=(i + 1).astype(jnp.int32), anchor=anchor_tok)
+    elif isinstance(drafter, MTPDrafter):
+        st = drafter.prefill(params, frozen, drafter.init_state(r, max_len, gamma), full)
+        w = st.tokens.shape[1]
+        n = i + 2
+        ar = jnp.arange(w, dtype=jnp.int32)[None, :]
+        pos_h = (n - 1 - w)[:, None] + ar
+        h0 = hidden[0][slot_row[:, None], jnp.clip(pos_h, 0, t - 1)]
+        h0 = jnp.where((pos_h >= 0)[..., None], h0, 0).astype(st.hidden.dtype)
+        pos_t = (n - w)[:, None] + ar
+        toks = jnp.where(pos_t >= 0, tokens[slot_row[:, None], jnp.clip(pos_t, 0, t - 1)], 0)
+        state = MTPState(k=tuple(x[slot_row] for x in st.k), v=tuple(x[slot_row] for x in st.v),
+                         hidden=h0, tokens=toks.astype(jnp.int32),
+                         num_emitted=n.astype(jnp.int32))
+    elif isinstance(drafter, DraftLMDrafter):
+        dcache = init_cache(drafter.config, r, max_len)
+        d_out = apply(drafter.graphdef, params, tokens, cache=dcache, num_valid=lengths)
+        c = d_out.cache
+        state = DraftLMState(
+            cache=KVCache(k=_take_rows(c.k, slot_row, 1), v=_take_rows(c.v, slot_row, 1),
+                          lengths=(i + 1).astype(jnp.int32)),
+            pending=jnp.stack([anchor_tok, jnp.zeros_like(anchor_tok)], axis=1),
+            num_pending=jnp.ones((s,), jnp.int32))
+    elif isinstance(drafter, NGramDrafter):
+        hist = jnp.zeros((s, max_len), jnp.int32).at[:, :t].set(tokens[slot_row])
+        keep = jnp.arange(max_len)[None, :] <= (i + 1)[:, None]
+        state = NGramState(history=jnp.where(keep, hist, 0), num_emitted=(i + 2).astype(jnp.int32))
+    else:  # unknown drafter: fall back to its own prefill per slot
+        obs = Observation(tokens=tokens[slot_row], num_valid=(i + 1).astype(jnp.int32),
+                          start=jnp.zeros((s,), jnp.int32), next_token=anchor_tok,
+                          hidden=None if hidden is None else hidden[:, slot_row])
+        state = drafter.prefill(params, frozen, drafter.init_state(s, max_len, gamma), obs)
+    return cache, state, anchor_tok
+
+
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "gamma", "method"))
+def verify_at_anchors(target_graphdef, target_params, drafter, params, frozen, cache: KVCache,
+                      dstate, anchor_tok: jax.Array, key: jax.Array, temperature, *, gamma: int,
+                      method: str = "rejection") -> dict:
+    """One speculative step from every slot's state (nothing donated, nothing committed).
+
+    Mirrors :func:`specjax.speculative.step` (draft with the drafter's own sampler → one target
+    forward over ``[anchor, x_1..x_γ]`` → the verifier) and also returns the analytic quantities
+    of the module docstring. Returns a dict of ``[S]`` / ``[S, γ]`` arrays.
+    """
+    if method not in RULES:
+        raise ValueError(f"method must be one of {RULES}, got {method!r}")
+    sampling = Sampling(temperature=0.0 if method == "greedy" else temperature)
+    k_draft, k_verify = jax.random.split(key)
+    draft, _ = drafter.propose(params, frozen, dstate, k_draft, gamma=gamma, sampling=sampling,
+                               argmax=(method == "target_only"))
+    vt = jnp.concatenate([anchor_tok[:, None], draft.tokens], axis=1)
+    logits = apply(target_graphdef, target_params, vt, cache=cache).logits  # [S, γ+1, V]
+    p = sampling.probs(logits)
+    if method == "greedy":
+        ver = greedy_verify(draft.tokens, logits)
+    elif method == "rejection":
+        ver = rejection_sample(k_verify, draft.tokens, draft.probs, p)
+    else:
+        ver = target_only_sample(k_verify, draft.tokens, p)
+    pk = p[:, :gamma]
+    tv = 1.0 - jnp.sum(jnp.minimum(pk, draft.probs), axis=-1)
+    p_x = jnp.take_along_axis(pk, draft.tokens[..., None], axis=-1)[..., 0]
+    acc = 1.0 - tv if method == "rejection" else p_x
+    raw = jax.nn.softmax(logits[:, :gamma].astype(jnp.float32), axis=-1)
+    h_raw = entropy(raw)
+    out = {"num_accepted": ver.num_accepted, "accept_prob": acc, "tv": tv,
+           "entropy": h_raw if method == "greedy" else entropy(pk), "entropy_raw": h_raw}
+    if draft.confidences is not None:
+        out["confidences"] = draft.confidences
+    return out
+
+
+def evaluate_drafter(target, drafter, params, frozen, tokens, lengths, *, gamma: int,
+                     grid: Sequence[tuple[str, float]] = DEFAULT_GRID, anchors_per_row: int = 8,
+                     min_context: int = 4, seed: int = 0, max_slots: int = 256,
+                     generic: bool = False) -> dict[tuple[str, float], StepRecords]:
+    """Runs :func:`verify_at_anchors` over held-out rows for every (rule, temperature) in ``grid``.
+
+    Args:
+      target: ``(graphdef, params)`` of the target.
+      drafter, params, frozen: the drafter (``frozen`` = its shared head, or None).
+      tokens, lengths: held-out rows ``[R, T]`` / ``[R]`` (one sequence per row).
+      gamma: draft length.
+      grid: ``(rule, temperature)`` pairs.
+      anchors_per_row: A (fewer where a row is short); min_context: tokens before the anchor.
+      seed: anchor choice and sampling seed.
+      max_slots: rows are processed in chunks of ``max_slots // A`` rows (memory: one target
+        cache of ``T + γ + 1`` positions per slot).
+      generic: see :func:`prefix_states`.
+    Returns:
+      ``{(rule, temperature): StepRecords}`` over the valid anchors.
+    """
+    graphdef, tparams = target
+    tokens = np.asarray(tokens, np.int32)
+    lengths = np.asarray(lengths, np.int32)
+    r, t = tokens.shape
+    anchors = anchor_positions(lengths, anchors_per_row, min_context=min_context, seed=seed)
+    max_len = t + gamma + 1
+    rows_per_chunk = max(1, max_slots // anchors_per_row)
+    n_chunks = -(-r // rows_per_chunk)
+    rows_per_chunk = -(-r // n_chunks)  # balanced chunks: little padding in the last one
+    base = jax.random.key(seed)
+    parts: dict = {cell: [] for cell in grid}
+    for c, s in enumerate(range(0, r, rows_per_chunk)):
+        sel = np.arange(s, min(s + rows_per_chunk, r))
+        tok, ln, an = tokens[sel], lengths[sel], anchors[sel]
+        if len(sel) < rows_per_chunk:  # pad to a static chunk shape
+            pad = rows_per_chunk - len(sel)
+            tok = np.concatenate([tok, np.zeros((pad, t), np.int32)])
+            ln = np.concatenate([ln, np.ones(pad, np.int32)])
+            an = np.concatenate([an, np.full((pad, anchors_per_row), -1, np.int32)])
+        valid = an.reshape(-1) >= 0
+        if not valid.any():
+            continue
+        cache, state, anchor_tok = prefix_states(
+            graphdef, tparams, drafter, params, frozen, jnp.asarray(tok), jnp.asarray(ln),
+            jnp.asarray(an), gamma=gamma, max_len=max_len, generic=generic)
+        for j, (rule, temp) in enumerate(grid):
+            key = jax.random.fold_in(jax.random.fold_in(base, c), j)
+            out = verify_at_anchors(graphdef, tparams, drafter, params, frozen, cache, state,
+                                    anchor_tok, key, jnp.float32(temp), gamma=gamma, method=rule)
+            out = jax.device_get(out)
+            parts[(rule, temp)].append(StepRecords(
+                num_accepted=np.asarray(out["num_accepted"])[valid],
+                accept_prob=np.asarray(out["accept_prob"], np.float64)[valid],
+                tv=np.asarray(out["tv"], np.float64)[valid],
+                entropy=np.asarray(out["entropy"], np.float64)[valid],
+                entropy_raw=np.asarray(out["entropy_raw"], np.float64)[valid],
+                confidences=(np.asarray(out["confidences"], np.float64)[valid]
+                             if "confidences" in out else None)))
+    return {cell: StepRecords.concat(p) for cell, p in parts.items() if p}
+
+
+# ------------------------------------------------------------------------------------------------
+# reports
+# ------------------------------------------------------------------------------------------------
+def to_jsonable(x: Any) -> Any:
+    """Nested dicts / lists / numpy -> JSON-serialisable (NaN -> None, tuple keys -> "a@b")."""
+    if isinstance(x, Mapping):
+        return {("@".join(map(str, k)) if isinstance(k, tuple) else str(k)): to_jsonable(v)
+                for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [to_jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return to_jsonable(x.tolist())
+    if isinstance(x, (np.floating, float)):
+        v = float(x)
+        return None if not math.isfinite(v) else v
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    return x
+
+
+def _fmt(v, spec=".3f"):
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "—"
+    return format(v, spec)
+
+
+def results_markdown(results: Mapping[str, Mapping[str, Mapping[str, dict]]],
+                     domains: Sequence[str], cells: Sequence[str]) -> str:
+    """Markdown tables from ``results[drafter][cell][domain] = summarize(...)``.
+
+    ``cells`` are ``"rule@temperature"`` keys. One table of τ (measured, ± s.e., and predicted),
+    one of acceptance rates and α₁, one of entropy slopes.
+    """
+    lines = []
+    lines.append("#### τ = mean emitted tokens per step (bonus included): measured ± s.e. "
+                 "[predicted 1 + Σ_j Π_{i≤j} α_i]\n")
+    head = "| drafter | rule@T | " + " | ".join(domains) + " |"
+    lines += [head, "|" + "---|" * (len(domains) + 2)]
+    for name, by_cell in results.items():
+        for cell in cells:
+            if cell not in by_cell:
+                continue
+            row = [name, cell]
+            for d in domains:
+                m = by_cell[cell].get(d)
+                row.append("—" if m is None else
+                           f"{_fmt(m['tau'], '.2f')} ± {_fmt(m['tau_se'], '.2f')} "
+                           f"[{_fmt(m['tau_pred'], '.2f')}]")
+            lines.append("| " + " | ".join(row) + " |")
+    lines.append("\n#### acceptance rate = accepted / γ (± s.e.); per-position acceptance α_k\n")
+    lines += [head, "|" + "---|" * (len(domains) + 2)]
+    for name, by_cell in results.items():
+        for cell in cells:
+            if cell not in by_cell:
+                continue
+            row = [name, cell]
+            for d in domains:
+                m = by_cell[cell].get(d)
+                if m is None:
+                    row.append("—")
+                    continue
+                alphas = "/".join(_fmt(v, ".2f") for v in m["acceptance"][:8])
+                row.append(f"{_fmt(100 * m['accept_rate'], '.1f')} ± "
+                           f"{_fmt(100 * m['accept_rate_se'], '.1f')} ({alphas})")
+            lines.append("| " + " | ".join(row) + " |")
+    lines.append("\n#### acceptance vs target entropy: slope b of α ≈ a − b·H (± s.e.), "
+                 "mean H (nats)\n")
+    lines += [head, "|" + "---|" * (len(domains) + 2)]
+    for name, by_cell in results.items():
+        for cell in cells:
+            if cell not in by_cell:
+                continue
+            row = [name, cell]
+            for d in domains:
+                m = by_cell[cell].get(d)
+                if m is None:
+                    row.append("—")
+                    continue
+                f = m["entropy_fit"]
+                row.append(f"{_fmt(-f['slope'], '.3f')} ± {_fmt(f['slope_se'], '.3f')} "
+                           f"(H̄ {_fmt(m['entropy_mean'], '.2f')})")
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _figure(ncols: int, width: float = 4.0, height: float = 3.4):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(width * ncols, height))
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(1, ncols, squeeze=False)[0]
+
+
+def plot_acceptance_per_position(path: str, curves: Mapping[str, Mapping[str, Sequence[float]]],
+                                 *, title: str = "") -> str:
+    """One panel per domain; ``curves[domain][label] = acceptance per position``."""
+    domains = list(curves)
+    fig, axes = _figure(len(domains))
+    for ax, d in zip(axes, domains):
+        for label, acc in curves[d].items():
+            acc = np.asarray(acc, np.float64)
+            ax.plot(np.arange(1, acc.size + 1), acc, "o-", ms=3, label=label)
+        ax.set_title(d)
+        ax.set_xlabel("draft position k")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("P(accept k | prefix accepted)")
+    axes[-1].legend(fontsize=7, loc="lower left")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return path
+
+
+def plot_acceptance_vs_entropy(path: str, series: Mapping[str, Mapping[str, dict]], *,
+                               title: str = "") -> str:
+    """One panel per domain; ``series[domain][label] = summarize(...)`` (binned means + fit)."""
+    domains = list(series)
+    fig, axes = _figure(len(domains))
+    for ax, d in zip(axes, domains):
+        for label, m in series[d].items():
+            bins = m["entropy_bins"]
+            c = np.asarray(bins["center"], np.float64)
+            mean = np.array([np.nan if v is None else v for v in bins["mean"]], np.float64)
+            n = np.asarray(bins["n"])
+            ok = n >= 5
+            line, = ax.plot(c[ok], mean[ok], "o", ms=3)
+            f = m["entropy_fit"]
+            if f["slope"] is not None and np.isfinite(f["slope"] or np.nan):
+                xs = np.linspace(0, max(c[ok].max() if ok.any() else 1.0, 0.5), 20)
+                ax.plot(xs, f["intercept"] + f["slope"] * xs, "-", color=line.get_color(),
+                        label=f"{label} (b={-f['slope']:.3f})")
+        ax.set_title(d)
+        ax.set_xlabel("target entropy H(p) [nats]")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("acceptance probability")
+    axes[-1].legend(fontsize=7, loc="lower left")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return path
+
+
+def write_json(path: str, obj: Any) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(to_jsonable(obj), f, indent=1, sort_keys=True)
+    return path

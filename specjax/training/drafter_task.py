@@ -1,0 +1,611 @@
+"""Drafter training against a frozen target: the ``"drafter"`` :class:`TrainTask`.
+
+The split (see :mod:`specjax.training.tasks`) is
+
+* ``params`` — the drafter's own parameters only (MTP heads, the DSpark / DFlash backbone with its
+  sequential and confidence heads, or an independent draft LM);
+* ``frozen`` — ``{"target": <the target's params>}``: the teacher. Loaded once from the target's
+  trainer checkpoint (``task.target_workdir``), never differentiated, never in the optimizer
+  state, never checkpointed with the drafter. The shared embedding / final norm / LM head that
+  MTP and DSpark drafters use (:func:`specjax.drafters.shared_head`) is a *view* of these frozen
+  arrays, so it is frozen too (DSpark §3.3: "shares its embedding layer and language modeling head
+  and keeps them frozen");
+* ``loss_fn`` — per step, on the fly: the target forward on the batch (with the hidden layers the
+  drafter reads), under ``stop_gradient``; anchor sampling; the drafter's teacher-forced pass on the
+  ground-truth continuation; the selected loss.
+
+Teacher forcing and anchors. At anchor position ``i`` the drafter sees the target context through
+``i`` and the anchor token ``t_{i+1}``; draft ``k = 1..γ`` is scored against the target's
+distribution ``p_k`` at position ``i + k`` (its prediction of ``t_{i+1+k}``) and the label
+``t_{i+1+k}``; for ``k >= 2`` the drafter's inputs are the true tokens ``t_{i+2..i+k}``
+(:func:`specjax.drafters.teacher_forced_targets`). ``task.anchors_per_row = A > 0`` samples ``A``
+anchors per row, uniformly without replacement among the row's valid anchor positions (DSpark
+§3.3, "we randomly sample multiple anchor positions from each target sequence"), fresh every step
+from the step's RNG (checkpointed, so a resumed run samples the same anchors); ``0`` uses every
+position. Labels crossing a packed document boundary (``segment_ids``) or falling on padding are
+masked out. (The drafters' teacher-forced passes treat a row as one sequence: with packed rows their
+own attention can see the previous documents of the row; the one-document-per-row files of
+:mod:`specjax.training.drafter_data` avoid that.)
+
+Losses (``task.loss``; ``p = softmax(target logits / task.target_temperature)``, detached):
+
+=========  ====================================================================================
+``ce``     ``−log q_k(t_{i+1+k})`` (hard ground-truth labels)
+``kl``     ``KL(p_k ‖ q_k)``
+``rkl``    ``KL(q_k ‖ p_k)``
+``tv``     ``1 − Σ_v min(p_k, q_k)`` (Bebop eq. 10, closed-form gradient eq. 11)
+``e2e_tv`` ``1 − (1/γ) Σ_j Π_{i≤j} (1 − tv_i)`` per block (Bebop eq. 13)
+``dspark`` ``Σ_k w_k [0.1·ce + 0.9·‖q_k − p_k‖₁ + 1.0·bce(c_k, 1 − tv_k)]`` per block (DSpark
+           eq. 9–12; the BCE only for drafters with a confidence head)
+=========  ====================================================================================
+
+Per-position losses are averaged over valid positions with weights ``w_k`` (``task.position_weights``:
+``"uniform"`` or ``"exp"`` = DSpark's ``exp(−(k−1)/γ)``); block losses over valid blocks.
+
+Loss schedule (Bebop-style fine-tuning at equal total budget): ``task.warm_start_loss = "ce"`` and
+``task.switch_step = S`` train with CE for the first ``S`` optimizer steps and with ``task.loss``
+afterwards, in one run. The step is not visible to a task's ``loss_fn``, so the schedule travels
+with the data: :class:`LossPhaseIterator` stamps each batch with ``loss_phase`` (0 before the
+switch, 1 after) from its own step counter, which is part of the checkpointed iterator state, so a
+resumed run switches at the same step. :func:`run_drafter` (and ``experiments/train_drafter.py``)
+wraps the iterators; a batch without ``loss_phase`` under a schedule is an error. Alternatively
+``task.init_from`` warm-starts the params from another drafter run's checkpoint (a fresh optimizer).
+
+Metrics (always, whatever the loss; detached): ``ce``, ``top1``, ``tv`` (mean), ``alpha_k``
+(teacher-forced per-position RS acceptance ``1 − tv_k``, k = 1..γ), ``accept_rate`` (``1 − e2e_tv``,
+the expected accepted drafts / γ of a block under rejection sampling), ``conf_bce`` (confidence
+heads), ``loss_weight``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from specjax import losses as L
+from specjax.drafters import (DraftLMDrafter, DSparkConfig, DSparkDrafter, MTPConfig, MTPDrafter,
+                              shared_head, teacher_forced_targets)
+from specjax.drafters.dspark import DSparkModule
+from specjax.drafters.mtp import MTPHeads
+from specjax.models import ModelConfig, Transformer
+from specjax.training.lm_task import model_config_from
+from specjax.training.tasks import LOSS_WEIGHT, register_task
+
+__all__ = ["LOSSES", "DRAFTERS", "DrafterTask", "LossPhaseIterator", "build_drafter",
+           "drafter_defaults", "load_target", "target_abstract_params", "run_drafter",
+           "load_drafter"]
+
+LOSSES = ("ce", "kl", "rkl", "tv", "e2e_tv", "dspark")
+DRAFTERS = ("mtp", "dspark", "dflash", "draft_lm")
+POSITION_WEIGHTS = ("uniform", "exp")
+PHASE_KEY = "loss_phase"
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _axes_of(abstract_state) -> dict:
+    axes = jax.tree.map(lambda v: tuple(v.logical_axes), abstract_state, is_leaf=_is_var)
+    return nnx.to_pure_dict(axes)
+
+
+def _opt(value: int) -> Optional[int]:
+    return value if value > 0 else None
+
+
+# ------------------------------------------------------------------------------------------------
+# config
+# ------------------------------------------------------------------------------------------------
+def drafter_defaults() -> ml_collections.ConfigDict:
+    """``config.task`` fields of the drafter task (besides ``name``)."""
+    c = ml_collections.ConfigDict()
+    c.drafter = "mtp"  # mtp | dspark | dflash | draft_lm
+    c.gamma = 3  # draft length γ trained (teacher-forced chain / block size)
+    c.loss = "ce"  # ce | kl | rkl | tv | e2e_tv | dspark
+    c.warm_start_loss = ""  # "" or a loss used for the first switch_step steps (e.g. "ce")
+    c.switch_step = 0
+    c.position_weights = "uniform"  # per-position losses: uniform | exp (w_k = exp(-(k-1)/γ))
+    c.anchors_per_row = 0  # A anchors sampled per row and step; 0 = every position
+    c.target_temperature = 1.0  # p = softmax(target_logits / T)
+    c.target_workdir = ""  # the target's trainer workdir (<dir>/checkpoints); "" = random target
+    c.target_step = -1  # checkpoint step of the target (-1 = newest)
+    c.target_seed = 0  # init seed of the random target when target_workdir == "" (tests only)
+    c.init_from = ""  # a drafter run's workdir to warm-start params from ("" = fresh init)
+    c.data_file = ""  # .npz token rows (specjax.training.drafter_data); "" = config.data pipeline
+    c.eval_file = ""  # .npz held-out rows per domain for eval ("" = config.data's eval batches)
+    # loss coefficients of the DSpark objective
+    c.dspark_loss = ml_collections.ConfigDict()
+    c.dspark_loss.ce_coef = 0.1
+    c.dspark_loss.l1_coef = 0.9
+    c.dspark_loss.conf_coef = 1.0
+    # architectures (0 = the target's value)
+    c.mtp = ml_collections.ConfigDict()
+    c.mtp.num_heads = 1
+    c.mtp.shared = False
+    c.mtp.target_layer = -1
+    c.mtp.intermediate_size = 0
+    c.mtp.num_attention_heads = 0
+    c.mtp.num_kv_heads = 0
+    c.mtp.head_dim = 0
+    c.dspark = ml_collections.ConfigDict()
+    c.dspark.target_layers = "-1"  # comma-separated target layers for the context features
+    c.dspark.num_layers = 1
+    c.dspark.head = "markov"  # markov | rnn | none (ignored for drafter == "dflash": none)
+    c.dspark.rank = 32
+    c.dspark.confidence = True  # (ignored for drafter == "dflash": False)
+    c.dspark.intermediate_size = 0
+    c.dspark.num_attention_heads = 0
+    c.dspark.num_kv_heads = 0
+    c.dspark.head_dim = 0
+    c.draft_lm = ml_collections.ConfigDict()
+    c.draft_lm.num_layers = 1
+    c.draft_lm.hidden_size = 0
+    c.draft_lm.intermediate_size = 0
+    c.draft_lm.num_heads = 0
+    c.draft_lm.num_kv_heads = 0
+    c.draft_lm.head_dim = 0
+    return c
+
+
+def _validate(t: dict) -> None:
+    from specjax.training.config import ConfigError
+
+    def bad(field, msg):
+        raise ConfigError(f"config.task.{field}: {msg}")
+
+    if t["drafter"] not in DRAFTERS:
+        bad("drafter", f"must be one of {DRAFTERS}, got {t['drafter']!r}")
+    if t["loss"] not in LOSSES:
+        bad("loss", f"must be one of {LOSSES}, got {t['loss']!r}")
+    if t["warm_start_loss"] not in ("",) + LOSSES:
+        bad("warm_start_loss", f"must be '' or one of {LOSSES}, got {t['warm_start_loss']!r}")
+    if t["warm_start_loss"] and t["switch_step"] <= 0:
+        bad("switch_step", "must be > 0 when warm_start_loss is set")
+    if t["switch_step"] < 0:
+        bad("switch_step", f"must be >= 0, got {t['switch_step']}")
+    if t["gamma"] < 1:
+        bad("gamma", f"must be >= 1, got {t['gamma']}")
+    if t["anchors_per_row"] < 0:
+        bad("anchors_per_row", f"must be >= 0, got {t['anchors_per_row']}")
+    if t["position_weights"] not in POSITION_WEIGHTS:
+        bad("position_weights", f"must be one of {POSITION_WEIGHTS}")
+    if not t["target_temperature"] > 0:
+        bad("target_temperature", "must be > 0")
+    if t["dspark"]["head"] not in ("markov", "rnn", "none"):
+        bad("dspark.head", f"must be markov | rnn | none, got {t['dspark']['head']!r}")
+    try:
+        _layers(t["dspark"]["target_layers"])
+    except ValueError:
+        bad("dspark.target_layers", f"comma-separated ints, got {t['dspark']['target_layers']!r}")
+
+
+def _layers(s: str) -> tuple[int, ...]:
+    out = tuple(int(x) for x in str(s).split(",") if x.strip())
+    if not out:
+        raise ValueError(s)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# building drafters / loading the target
+# ------------------------------------------------------------------------------------------------
+def build_drafter(task_config, target_config: ModelConfig):
+    """``(drafter, module_factory)``: the static drafter (graphdef from an abstract module) and
+    ``module_factory(rngs) -> nnx.Module`` creating its trainable module."""
+    t = task_config
+    kind = t.drafter
+    if kind == "mtp":
+        m = t.mtp
+        cfg = MTPConfig(num_heads=m.num_heads, shared=m.shared, target_layer=m.target_layer,
+                        intermediate_size=_opt(m.intermediate_size),
+                        num_attention_heads=_opt(m.num_attention_heads),
+                        num_kv_heads=_opt(m.num_kv_heads), head_dim=_opt(m.head_dim))
+        n = 1 if cfg.shared else cfg.num_heads
+        factory = lambda rngs: MTPHeads(cfg.block_config(target_config), n, rngs=rngs)
+        graphdef = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(params=0))))[0]
+        return MTPDrafter(cfg, target_config, graphdef), factory
+    if kind in ("dspark", "dflash"):
+        d = t.dspark
+        head, conf = (("none", False) if kind == "dflash" else (d.head, d.confidence))
+        cfg = DSparkConfig(target_layers=_layers(d.target_layers), num_layers=d.num_layers,
+                           head=head, rank=d.rank, confidence=conf,
+                           intermediate_size=_opt(d.intermediate_size),
+                           num_attention_heads=_opt(d.num_attention_heads),
+                           num_kv_heads=_opt(d.num_kv_heads), head_dim=_opt(d.head_dim))
+        factory = lambda rngs: DSparkModule(cfg, cfg.block_config(target_config),
+                                            target_config.vocab_size, rngs=rngs)
+        graphdef = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(params=0))))[0]
+        drafter = DSparkDrafter(cfg, target_config, graphdef)
+        drafter.hidden_layers  # validates the layer indices
+        return drafter, factory
+    if kind == "draft_lm":
+        d = t.draft_lm
+        over = {k: getattr(d, k) for k in ("num_layers", "hidden_size", "intermediate_size",
+                                           "num_heads", "num_kv_heads", "head_dim")
+                if getattr(d, k) > 0}
+        cfg = target_config.replace(**over)
+        factory = lambda rngs: Transformer(cfg, rngs=rngs)
+        graphdef = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(params=0))))[0]
+        return DraftLMDrafter(cfg, graphdef), factory
+    raise ValueError(f"unknown drafter {kind!r}")
+
+
+def target_abstract_params(target_config: ModelConfig, sharding=None):
+    """``(graphdef, abstract pure-dict params, logical axes)`` of the target; leaves carry
+    ``sharding`` (default: the first local device)."""
+    abstract = nnx.eval_shape(lambda: Transformer(target_config, rngs=nnx.Rngs(params=0)))
+    graphdef, state = nnx.split(abstract)
+    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    pure = nnx.to_pure_dict(state)
+    pure = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), pure)
+    return graphdef, pure, _axes_of(state)
+
+
+def load_target(target_config: ModelConfig, workdir: str = "", *, step: int = -1, seed: int = 0):
+    """``(graphdef, params)`` of the target: restored from ``<workdir>/checkpoints`` (params only),
+    or freshly initialised from ``seed`` when ``workdir`` is empty (tests)."""
+    from specjax.training.checkpoint import restore_params
+    graphdef, abstract, _ = target_abstract_params(target_config)
+    if not workdir:
+        model = Transformer(target_config, rngs=nnx.Rngs(params=seed))
+        return graphdef, nnx.to_pure_dict(nnx.state(model))
+    directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    return graphdef, restore_params(directory, abstract, None if step < 0 else step)
+
+
+def load_drafter(workdir: str, *, step: Optional[int] = None):
+    """A trained drafter from a drafter run's workdir: ``(drafter, params, task)``.
+
+    Reads ``<workdir>/config.json`` (written by :func:`run_drafter`) and the newest (or ``step``)
+    checkpoint's params; ``task.frozen_target()`` gives the target to pair it with.
+    """
+    import json
+
+    from specjax.training.checkpoint import restore_params
+    from specjax.training.config import validate_config
+    with open(os.path.join(workdir, "config.json")) as f:
+        config = validate_config(json.load(f))
+    task = DrafterTask(config, load_frozen=False)
+    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                            task.abstract_params)
+    params = restore_params(os.path.join(workdir, "checkpoints"), abstract, step)
+    return task.drafter, params, task
+
+
+# ------------------------------------------------------------------------------------------------
+# the task
+# ------------------------------------------------------------------------------------------------
+class DrafterTask:
+    """Trains a drafter against a frozen target (see the module docstring).
+
+    Attributes:
+      drafter: the static drafter object (pass its ``params`` to the drafter API).
+      target_config / target_graphdef: the frozen target's architecture.
+      gamma: γ.
+    """
+
+    def __init__(self, config: ml_collections.ConfigDict, *, load_frozen: bool = True):
+        t = config.task
+        self.task_config = t
+        self.target_config = model_config_from(config)
+        self.gamma = int(t.gamma)
+        self.drafter, self._factory = build_drafter(t, self.target_config)
+        self.uses_head = t.drafter != "draft_lm"
+        abstract = nnx.eval_shape(lambda: self._factory(nnx.Rngs(params=0)))
+        state = nnx.state(abstract)
+        self._axes = _axes_of(state)
+        self.abstract_params = nnx.to_pure_dict(state)
+        (self.target_graphdef, self._target_abstract,
+         self._target_axes) = target_abstract_params(self.target_config)
+        self._frozen = None
+        self._init_values = None
+        if t.init_from:
+            from specjax.training.checkpoint import restore_params
+            sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            abs_p = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                sharding=sharding),
+                                 self.abstract_params)
+            self._init_values = jax.device_get(
+                restore_params(os.path.join(os.path.abspath(t.init_from), "checkpoints"), abs_p))
+        self._load_frozen = load_frozen
+
+    # -- TrainTask -------------------------------------------------------------------------------
+    def init_params(self, rng: jax.Array):
+        if self._init_values is not None:
+            return jax.tree.map(jnp.asarray, self._init_values)
+        return nnx.to_pure_dict(nnx.state(self._factory(nnx.Rngs(params=rng))))
+
+    def param_logical_axes(self):
+        return self._axes
+
+    def frozen_target(self):
+        """``(graphdef, params)`` of the frozen target (loaded once, host/device arrays)."""
+        if self._frozen is None:
+            t = self.task_config
+            with jax.ensure_compile_time_eval():  # concrete even when called under eval_shape
+                params = load_target(self.target_config, t.target_workdir, step=t.target_step,
+                                     seed=t.target_seed)[1]
+            self._frozen = jax.device_get(params)
+        return self.target_graphdef, self._frozen
+
+    def init_frozen(self):
+        return {"target": self.frozen_target()[1]}
+
+    def frozen_logical_axes(self):
+        return {"target": self._target_axes}
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def shared_head(self, frozen):
+        """The frozen shared embedding / LM head view (``None`` for the draft LM)."""
+        if not self.uses_head:
+            return None
+        return shared_head((self.target_graphdef, frozen["target"]))
+
+    def sample_anchors(self, rng: jax.Array, seg: jax.Array) -> Optional[jax.Array]:
+        """``int32 [B, A]`` anchors per row (``-1`` = none left), or ``None`` (every position).
+
+        Valid anchors ``i``: a real token whose first label ``t_{i+2}`` exists in the same
+        segment. Sampled uniformly without replacement (top-A of i.i.d. uniforms).
+        """
+        a = int(self.task_config.anchors_per_row)
+        b, t = seg.shape
+        if a <= 0 or a >= t:
+            return None
+        idx = jnp.arange(t)
+        nxt2 = jnp.concatenate([seg[:, 2:], jnp.zeros((b, 2), seg.dtype)], axis=1)
+        valid = (seg > 0) & (nxt2 == seg) & (idx[None, :] + 2 < t)
+        u = jax.random.uniform(rng, (b, t))
+        score = jnp.where(valid, u, -1.0)
+        top, pos = jax.lax.top_k(score, a)
+        return jnp.where(top >= 0, pos, -1).astype(jnp.int32)
+
+    def target_forward(self, frozen, batch):
+        """Frozen target on the batch: ``(logits [B, T, V], hidden [m, B, T, D] | None)``."""
+        target = nnx.merge(self.target_graphdef, frozen["target"])
+        out = target(batch["inputs"], positions=batch.get("positions"),
+                     segment_ids=batch.get("segment_ids"),
+                     hidden_layers=self.drafter.hidden_layers)
+        hidden = None if out.hidden is None else jax.lax.stop_gradient(out.hidden)
+        return jax.lax.stop_gradient(out.logits), hidden
+
+    def teacher_forced(self, params, batch, rng, frozen):
+        """Drafter and target sides of one batch: ``(logits [B,A,γ,V], conf_logits | None,
+        target probs [B,A,γ,V], labels [B,A,γ], mask [B,A,γ])``."""
+        tokens = batch["inputs"].astype(jnp.int32)
+        b, t = tokens.shape
+        seg = batch.get("segment_ids")
+        if seg is None:
+            mask_tok = batch.get("loss_mask")
+            seg = (jnp.ones((b, t), jnp.int32) if mask_tok is None
+                   else (mask_tok > 0).astype(jnp.int32))
+        seg = seg.astype(jnp.int32)
+        t_logits, hidden = self.target_forward(frozen, batch)
+        anchors = self.sample_anchors(rng, seg)
+        tf = self.drafter.teacher_forced(params, self.shared_head(frozen), tokens, hidden,
+                                         gamma=self.gamma, anchors=anchors)
+        labels, tl, mask = teacher_forced_targets(tokens, t_logits, self.gamma, anchors)
+        if anchors is None:
+            anchors = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        rows = jnp.arange(b)[:, None, None]
+        lab_pos = anchors[..., None] + 1 + jnp.arange(1, self.gamma + 1, dtype=jnp.int32)
+        seg_a = seg[rows[..., 0], jnp.clip(anchors, 0, t - 1)][..., None]
+        seg_l = seg[rows, jnp.clip(lab_pos, 0, t - 1)]
+        mask = mask & (seg_l == seg_a) & (seg_a > 0)
+        p = jax.nn.softmax(tl.astype(jnp.float32) / self.task_config.target_temperature, axis=-1)
+        return tf.logits, tf.confidence_logits, jax.lax.stop_gradient(p), labels, mask
+
+    def _weights(self, kind: str) -> jax.Array:
+        if kind == "exp" or kind == "dspark":
+            return L.dspark_position_weights(self.gamma)
+        return jnp.ones((self.gamma,), jnp.float32)
+
+    def loss_of(self, kind: str, z, conf, p, labels, mask):
+        """``(loss, weight)`` of one loss kind (see the module docstring)."""
+        m = mask.astype(jnp.float32)
+        block_valid = mask[..., 0].astype(jnp.float32)
+        n_blocks = block_valid.sum()
+        if kind == "e2e_tv":
+            per_block = L.e2e_tv_loss(z, p, where=mask)
+            return (per_block * block_valid).sum() / jnp.maximum(n_blocks, 1.0), n_blocks
+        if kind == "dspark":
+            c = self.task_config.dspark_loss
+            conf_coef = c.conf_coef if conf is not None else 0.0
+            conf = conf if conf is not None else jnp.zeros(z.shape[:-1], jnp.float32)
+            per_block = L.dspark_loss(z, p, labels, conf, ce_coef=c.ce_coef, l1_coef=c.l1_coef,
+                                      conf_coef=conf_coef, where=mask)
+            return (per_block * block_valid).sum() / jnp.maximum(n_blocks, 1.0), n_blocks
+        if kind == "ce":
+            per = L.ce_loss(z, labels, where=mask)
+        elif kind == "kl":
+            per = L.kl_loss(z, p, where=mask)
+        elif kind == "rkl":
+            per = L.reverse_kl_loss(z, p, where=mask)
+        elif kind == "tv":
+            per = L.tv_loss(z, p, where=mask)
+        else:
+            raise ValueError(kind)
+        w = self._weights(self.task_config.position_weights) * m
+        weight = w.sum()
+        return (per * w).sum() / jnp.maximum(weight, 1e-9), weight
+
+    def loss_fn(self, params, batch, rng, frozen):
+        t = self.task_config
+        z, conf, p, labels, mask = self.teacher_forced(params, batch, rng, frozen)
+        if t.warm_start_loss:
+            if PHASE_KEY not in batch:
+                raise ValueError(
+                    f"config.task.warm_start_loss={t.warm_start_loss!r} needs batches stamped with "
+                    f"{PHASE_KEY!r} (LossPhaseIterator); train with "
+                    f"specjax.training.drafter_task.run_drafter / experiments.train_drafter")
+            phase = batch[PHASE_KEY].reshape(-1)[0]
+            loss, weight = jax.lax.cond(
+                phase == 0, lambda: self.loss_of(t.warm_start_loss, z, conf, p, labels, mask),
+                lambda: self.loss_of(t.loss, z, conf, p, labels, mask))
+        else:
+            loss, weight = self.loss_of(t.loss, z, conf, p, labels, mask)
+        metrics = self.metrics(z, conf, p, labels, mask)
+        metrics[LOSS_WEIGHT] = weight
+        return loss, metrics
+
+    def metrics(self, z, conf, p, labels, mask) -> dict:
+        """Detached diagnostics (see the module docstring)."""
+        z = jax.lax.stop_gradient(z)
+        m = mask.astype(jnp.float32)
+        n = jnp.maximum(m.sum(), 1.0)
+        q = jax.nn.softmax(z.astype(jnp.float32), axis=-1)
+        tv = 1.0 - jnp.sum(jnp.minimum(p, q), axis=-1)
+        ce = L.ce_loss(z, labels, where=mask)
+        top1 = (jnp.argmax(z, axis=-1) == labels).astype(jnp.float32)
+        out = {"ce": (ce * m).sum() / n, "top1": (top1 * m).sum() / n, "tv": (tv * m).sum() / n}
+        per_pos = m.reshape(-1, self.gamma).sum(0)
+        alpha = ((1.0 - tv) * m).reshape(-1, self.gamma).sum(0) / jnp.maximum(per_pos, 1.0)
+        for k in range(self.gamma):
+            out[f"alpha_{k + 1}"] = alpha[k]
+        block_valid = mask[..., 0].astype(jnp.float32)
+        e2e = L.e2e_tv_from_tv(tv, where=mask)
+        out["accept_rate"] = ((1.0 - e2e) * block_valid).sum() / jnp.maximum(block_valid.sum(), 1.)
+        if conf is not None:
+            bce = L._sigmoid_bce(jax.lax.stop_gradient(conf), 1.0 - tv)
+            out["conf_bce"] = (bce * m).sum() / n
+        return out
+
+
+# ------------------------------------------------------------------------------------------------
+# loss schedule through the data
+# ------------------------------------------------------------------------------------------------
+class LossPhaseIterator:
+    """Wraps a :class:`~specjax.training.inputs.BatchIterator`, adding ``loss_phase`` (int32
+    ``[B, T]``: 0 for the first ``switch_step`` batches, 1 after). Its step count is part of the
+    (checkpointed) state, so a resumed run switches at the same optimizer step."""
+
+    def __init__(self, inner, switch_step: int, *, fixed_phase: Optional[int] = None):
+        self.inner, self.switch_step, self.fixed_phase = inner, int(switch_step), fixed_phase
+        self._step = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = dict(next(self.inner))
+        shape = np.shape(batch["inputs"])
+        phase = self.fixed_phase if self.fixed_phase is not None else \
+            int(self._step >= self.switch_step)
+        batch[PHASE_KEY] = np.full(shape, phase, np.int32)
+        self._step += 1
+        return batch
+
+    def get_state(self):
+        return {"inner": self.inner.get_state(), "step": self._step}
+
+    def set_state(self, state):
+        self.inner.set_state(state["inner"])
+        self._step = int(state["step"])
+
+    def close(self):
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()
+
+
+def _with_phase(batches, phase: int):
+    out = []
+    for b in batches:
+        b = dict(b)
+        b[PHASE_KEY] = np.full(np.shape(b["inputs"]), phase, np.int32)
+        out.append(b)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# running
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class DrafterRunResult:
+    """What :func:`run_drafter` returns: ``trainer`` (its ``task`` is the :class:`DrafterTask`),
+    the final ``state``, ``eval`` ``{domain: metrics}``."""
+
+    trainer: Any
+    state: Any
+    eval: dict
+
+
+def make_drafter_inputs(config, mesh_batch_multiple: int = 1):
+    """``(train_iterator, eval_batches)`` for a drafter config: token-row files when
+    ``task.data_file`` is set, else ``config.data``'s pipeline (:func:`specjax.training.run.make_inputs`)."""
+    from specjax.training import drafter_data
+    t = config.task
+    d = config.data
+    if t.data_file:
+        rows = drafter_data.load_rows(t.data_file)
+        if rows["tokens"].shape[1] != d.seq_len:
+            raise ValueError(f"{t.data_file} has rows of {rows['tokens'].shape[1]} tokens but "
+                             f"config.data.seq_len is {d.seq_len}")
+        per_host = d.batch_size // jax.process_count()
+        train = drafter_data.TokenRowsIterator(rows, batch_size=per_host, seed=d.seed,
+                                               shard_index=jax.process_index(),
+                                               num_shards=jax.process_count())
+        evals = None
+        if t.eval_file and d.eval_batches:
+            heldout = drafter_data.load_rows(t.eval_file)
+            evals = drafter_data.eval_batches(
+                heldout, batch_size=per_host,
+                max_batches=None if d.eval_batches == -1 else d.eval_batches,
+                shard_index=jax.process_index(), num_shards=jax.process_count())
+    else:
+        from specjax.training.run import make_inputs
+        train, evals, _ = make_inputs(config, model_config_from(config).vocab_size)
+    if t.warm_start_loss:
+        train = LossPhaseIterator(train, t.switch_step)
+        if evals:
+            evals = {k: _with_phase(v, 1) for k, v in evals.items()}
+    return train, evals
+
+
+def run_drafter(config, workdir: Optional[str], *, mesh=None, task=None,
+                stop_after: Optional[int] = None, hooks=()) -> DrafterRunResult:
+    """Trains a drafter config in ``workdir`` (resuming from its checkpoints when present).
+
+    Writes ``workdir/config.json``, ``metrics.jsonl``, ``loss_curve.png`` and ``checkpoints/``
+    (the drafter's params + optimizer state + data position; the target is not copied).
+    ``mesh`` / ``task`` default to all devices / ``DrafterTask(config)``; ``stop_after`` / ``hooks``:
+    see :meth:`~specjax.training.trainer.Trainer.train`.
+    """
+    import json
+
+    from specjax.training import distributed
+    from specjax.training.config import validate_config
+    from specjax.training.trainer import Trainer
+    config = validate_config(config)
+    if config.task.name != "drafter":
+        raise ValueError(f"run_drafter needs config.task.name == 'drafter', got "
+                         f"{config.task.name!r}")
+    distributed.maybe_initialize(config.distributed)
+    trainer = Trainer(config, workdir=workdir, mesh=mesh, task=task)
+    if workdir and jax.process_index() == 0:
+        os.makedirs(workdir, exist_ok=True)
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            json.dump(trainer.config.to_dict(), f, indent=2, sort_keys=True)
+    train_iter, evals = make_drafter_inputs(trainer.config)
+    try:
+        state = trainer.train(train_iter, evals, stop_after=stop_after, hooks=hooks)
+    finally:
+        trainer.close()
+        close = getattr(train_iter, "close", None)
+        if close is not None:
+            close()
+    return DrafterRunResult(trainer=trainer, state=state, eval=trainer.last_eval)
+
+
+def _build(config: ml_collections.ConfigDict) -> DrafterTask:
+    return DrafterTask(config)
+
+
+register_task("drafter", _build, drafter_defaults, _validate)
