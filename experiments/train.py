@@ -33,16 +33,18 @@ def main(argv) -> None:
 
     from specjax.training.config import ConfigError
     from specjax.training.run import run, summary_lines
+    from specjax.training.sharding import ShardingError
 
     try:
         result = run(_CONFIG.value, _WORKDIR.value)
-    except ConfigError as e:
+    except (ConfigError, ShardingError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     if jax.process_index() == 0:
         t = result.trainer
-        print(f"trained {int(result.state.step)} steps in {_WORKDIR.value} "
-              f"(first step incl. compile: {t.first_step_seconds or 0:.1f}s)")
+        print(f"trained {int(result.state.step)} steps in {_WORKDIR.value}: step loop "
+              f"{t.train_seconds or 0:.1f}s (first step incl. compile "
+              f"{t.first_step_seconds or 0:.1f}s), final eval {t.eval_seconds or 0:.1f}s")
         for line in summary_lines(result):
             print(line)
 

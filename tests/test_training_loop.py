@@ -128,3 +128,59 @@ def test_metrics_writer_resume_drops_lines_after_checkpoint(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     plot_loss_curve(path, str(tmp_path / "c.png"))
     assert os.path.getsize(tmp_path / "c.png") > 1000
+
+
+class _FrozenTeacherTask:
+    """A minimal task with a frozen pytree: fit a bias b so that x @ W_teacher + b matches y.
+    Stands in for drafter training against a frozen target."""
+
+    def __init__(self):
+        rng = np.random.default_rng(0)
+        self.teacher = {"w": rng.normal(size=(8, 16)).astype(np.float32)}
+
+    def init_params(self, rng):
+        return {"b": jax.numpy.zeros((16,), jax.numpy.float32)}
+
+    def param_logical_axes(self):
+        return {"b": ("vocab",)}
+
+    def init_frozen(self):
+        return self.teacher
+
+    def frozen_logical_axes(self):
+        return {"w": ("embed", "vocab")}
+
+    def loss_fn(self, params, batch, rng, frozen):
+        x = batch["inputs"].astype(np.float32)[:, :8]
+        pred = x @ frozen["w"] + params["b"]
+        loss = ((pred - 1.0) ** 2).mean()
+        return loss, {"loss_weight": jax.numpy.float32(x.shape[0])}
+
+
+def test_frozen_pytree_is_sharded_never_optimized_and_not_checkpointed(tmp_path):
+    from jax.sharding import PartitionSpec as P
+
+    from specjax.training import TrainTask, make_mesh
+
+    task = _FrozenTeacherTask()
+    assert isinstance(task, TrainTask)
+    config = {"data": {"kind": "synthetic", "seq_len": 16, "batch_size": 4},
+              "train": {"num_steps": 3, "log_every": 1}, "optimizer": {"warmup_steps": 1},
+              "output": {"progress_bar": False, "plot": False},
+              "checkpoint": {"every": 3}, "mesh": {"data": 1, "fsdp": 2, "tensor": 2}}
+    mesh = make_mesh({"data": 1, "fsdp": 2, "tensor": 2}, devices=jax.devices()[:4])
+    trainer = Trainer(config, workdir=str(tmp_path), task=task, mesh=mesh)
+    assert trainer.frozen["w"].sharding.spec == P("fsdp", "tensor")
+    it = SyntheticLMIterator(batch_size=4, seq_len=16, vocab_size=50)
+    state = trainer.train(it)
+    # Only the bias is trained: optimizer leaves are b-shaped or scalars, never W-shaped.
+    shapes = {tuple(x.shape) for x in jax.tree.leaves(state.opt_state)}
+    assert (8, 16) not in shapes and (16,) in shapes
+    assert float(np.abs(np.asarray(state.params["b"])).sum()) > 0
+    # The frozen teacher is untouched and still alive (not donated).
+    np.testing.assert_array_equal(np.asarray(trainer.frozen["w"]), task.teacher["w"])
+    ckpt = os.path.join(str(tmp_path), "checkpoints", "3", "state")
+    assert os.path.isdir(ckpt)
+    restored = trainer.restore_or_init()
+    assert set(restored.params) == {"b"} and int(restored.step) == 3
+    trainer.close()

@@ -47,7 +47,7 @@ def default_config(task: str = "lm") -> ml_collections.ConfigDict:
     c.data.max_docs = 0  # embedded: first N documents per domain and split (0 = all; CI)
     c.data.seq_len = 256  # T
     c.data.batch_size = 32  # global batch (all processes); per host = batch_size / processes
-    c.data.eval_batches = 4  # held-out batches per domain (0 = no eval)
+    c.data.eval_batches = 4  # held-out batches per domain (0 = no eval, -1 = whole split)
     c.data.seed = 0  # shuffling seed of the input pipeline
 
     c.train = ml_collections.ConfigDict()
@@ -106,7 +106,7 @@ _CHOICES = {
 }
 _POSITIVE = ("data.seq_len", "data.batch_size", "train.num_steps", "train.grad_accum_steps",
              "train.log_every", "checkpoint.keep")
-_NON_NEGATIVE = ("data.eval_batches", "data.max_docs", "train.eval_every", "optimizer.warmup_steps",
+_NON_NEGATIVE = ("data.max_docs", "train.eval_every", "optimizer.warmup_steps",
                  "optimizer.decay_steps", "optimizer.weight_decay", "optimizer.clip_norm",
                  "optimizer.learning_rate", "optimizer.end_lr_ratio", "distributed.num_processes")
 # Subtrees whose keys are not fixed by this schema (checked elsewhere).
@@ -223,9 +223,9 @@ def validate_config(config: Any, *, num_devices: Optional[int] = None,
     for field in _NON_NEGATIVE:
         if _get(merged, field) < 0:
             raise ConfigError(f"config.{field}: must be >= 0, got {_get(merged, field)!r}")
-    if merged["checkpoint"]["every"] < -1:
-        raise ConfigError(f"config.checkpoint.every: must be >= -1, got "
-                          f"{merged['checkpoint']['every']}")
+    for field in ("checkpoint.every", "data.eval_batches"):
+        if _get(merged, field) < -1:
+            raise ConfigError(f"config.{field}: must be >= -1, got {_get(merged, field)}")
     if merged["optimizer"]["warmup_steps"] > merged["train"]["num_steps"]:
         raise ConfigError(f"config.optimizer.warmup_steps ({merged['optimizer']['warmup_steps']}) "
                           f"exceeds config.train.num_steps ({merged['train']['num_steps']})")

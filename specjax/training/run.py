@@ -73,7 +73,8 @@ def make_inputs(config: ml_collections.ConfigDict, vocab_size: int):
         heldout = SyntheticLMIterator(batch_size=per_host, seq_len=d.seq_len,
                                       vocab_size=vocab_size, seed=d.seed + 10_000,
                                       shard_index=index, num_shards=count)
-        evals = {"synthetic": [heldout.batch_at(i) for i in range(d.eval_batches)]}
+        num = 4 if d.eval_batches == -1 else d.eval_batches
+        evals = {"synthetic": [heldout.batch_at(i) for i in range(num)]}
         return train, (evals if d.eval_batches else None), None
 
     from specjax import data as data_lib  # heavy imports (tfds, grain) only when needed
@@ -99,7 +100,8 @@ def make_inputs(config: ml_collections.ConfigDict, vocab_size: int):
     train = data_lib.make_train_iterator(seed=d.seed, **common)
     evals = None
     if d.eval_batches:
-        evals = data_lib.make_eval_batches(max_batches=d.eval_batches, **common)
+        evals = data_lib.make_eval_batches(
+            max_batches=None if d.eval_batches == -1 else d.eval_batches, **common)
         evals = {configs[k]: v for k, v in evals.items()}
     return train, evals, tokenizer
 

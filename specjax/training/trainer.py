@@ -94,6 +94,10 @@ class Trainer:
         if tuple(self.mesh.axis_names) != sharding_lib.MESH_AXES:
             raise ValueError(f"mesh axes must be {sharding_lib.MESH_AXES}, got "
                              f"{self.mesh.axis_names}")
+        wanted = sharding_lib.resolve_mesh_shape(cfg.mesh.to_dict(), self.mesh.devices.size)
+        if tuple(self.mesh.devices.shape) != wanted:
+            raise ConfigError(f"config.mesh resolves to {wanted} but the given mesh is "
+                              f"{dict(self.mesh.shape)}")
         shards = sharding_lib.batch_shards(self.mesh)
         if jax.process_count() > 1 and shards % jax.process_count():
             raise ConfigError(
@@ -132,7 +136,11 @@ class Trainer:
                 os.path.join(self.workdir, "checkpoints"), keep=cfg.checkpoint.keep,
                 async_save=cfg.checkpoint.async_save)
         self.last_eval: dict[str, dict[str, float]] = {}
+        # Wall-clock of the last train(): first step (compile + step), the whole step loop
+        # (including the first step and checkpoint saves), the final evaluation.
         self.first_step_seconds: Optional[float] = None
+        self.train_seconds: Optional[float] = None
+        self.eval_seconds: Optional[float] = None
 
     # -- pure functions (traced) ----------------------------------------------------------------
     def _init_fn(self, key: jax.Array) -> TrainState:
@@ -303,6 +311,7 @@ class Trainer:
         pending: list[dict] = []
         last_time, last_step = time.perf_counter(), start
         step = saved = start
+        loop_start = time.perf_counter()
         try:
             while step < num_steps:
                 state, metrics = self.step(state, next(train_iter))
@@ -335,8 +344,12 @@ class Trainer:
                     hook(self, step, state)
                 if stop_after is not None and step >= stop_after:
                     return state
+            jax.block_until_ready(state.step)
+            self.train_seconds = time.perf_counter() - loop_start
             if eval_batches:  # (a finished run that is re-opened re-evaluates, logs nothing new)
+                eval_start = time.perf_counter()
                 self._run_eval(state, eval_batches, step, writer if step > start else None)
+                self.eval_seconds = time.perf_counter() - eval_start
             if self.checkpointer is not None and saved != step and step > start:
                 self.checkpointer.save(step, state, train_iter.get_state())
         finally:
