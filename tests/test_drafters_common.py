@@ -99,3 +99,18 @@ def sequential_gof(tokens: np.ndarray, probs: np.ndarray, label: str = "", check
 
     rec(np.arange(n), 0, 1.0)
     return chisquare_gof(np.array(counts), np.array(masses), label=label, check=check)
+
+
+# Prompts of different lengths for the temperature-0 (greedy) equivalence tests.
+GREEDY_PROMPTS = ((1, 2, 3, 4, 5), (3, 1), (7, 7, 7, 7, 7, 7, 7, 7, 7, 1), (9,),
+                  (2, 11, 4, 14, 6, 0, 3), (5, 5, 12))
+GREEDY_NEW = 16
+
+
+@functools.lru_cache(maxsize=None)
+def greedy_reference():
+    """Plain cached greedy decoding of the target (``specjax.models.generate``)."""
+    from specjax.models.generate import generate as plain_generate
+    tokens = plain_generate(nnx.merge(*target()), [list(p) for p in GREEDY_PROMPTS], GREEDY_NEW,
+                            temperature=0.0)
+    return [list(map(int, t)) for t in tokens]

@@ -1,12 +1,18 @@
-"""Losslessness of speculative decoding with every drafter (chi-square at the 1e-6 level).
+"""The speculative loop with every drafter: lossless at temperature 1 (chi-square at the 1e-6 level),
+greedy decoding at temperature 0.
 
-Thousands of rows of the same prompt (two prompt lengths in one ragged batch), each with its own
-randomness, are prefilled (first new token t_m from the target alone) and run through two
-speculative steps; the joint distribution of the first three emitted tokens (t_m, t_{m+1}, t_{m+2})
-is compared with the target's exact distribution, computed from the target alone (one forward
-over all V^2 continuations, same sampling transform). t_{m+1} and t_{m+2} come from accepted
-drafts, corrections and bonus tokens of the speculative steps. A negative control shows that the
-same check catches a drafter that samples from one q and hands the verifier another.
+One ragged batch per drafter (one compiled prefill + step): 2 x 4096 rows of two prompts of
+different lengths at temperature 1, each row with its own randomness, plus a few rows of other
+prompt lengths at temperature 0 (per-row sampling settings).
+
+* Lossless: the first new token t_m comes from the target alone (prefill); two speculative steps
+  give t_{m+1}, t_{m+2} (accepted drafts, corrections, bonus tokens). Their joint distribution is
+  compared with the target's exact one, computed from the target alone (one forward over all V^2
+  continuations, same sampling transform).
+* Greedy: the temperature-0 rows, stepped until they have 16 new tokens, equal plain cached greedy
+  decoding token for token (rejection sampling with one-hot p and q is greedy decoding).
+* A negative control shows that the same check catches a drafter that samples from one q and hands
+  the verifier another.
 """
 import dataclasses
 import functools
@@ -22,21 +28,29 @@ from specjax.drafters import Sampling
 from specjax.models import apply_jit
 from specjax.sampling import logits_to_probs
 from stats import chisquare_gof, counts_of
-from test_drafters_common import ALL, GAMMA, VOCAB, drafter, target
+from test_drafters_common import (ALL, GAMMA, GREEDY_NEW, GREEDY_PROMPTS, VOCAB, drafter,
+                                  greedy_reference, target)
 
-N = 8192  # rows per prompt group
-PROMPTS = ([3, 9, 1], [12, 0, 7, 7, 2, 5])
-MAX_LEN = 16
-
-
-def _sampling(temperature=1.0, top_k=0, top_p=1.0) -> Sampling:
-    # Always arrays (0 / 1.0 disable the filters) so that every setting shares one compiled step.
-    return Sampling(temperature=jnp.float32(temperature), top_k=jnp.int32(top_k),
-                    top_p=jnp.float32(top_p))
-
+N = 4096  # rows per prompt group
+PROMPTS = ((3, 9, 1), (12, 0, 7, 7, 2, 5))
+N_LOSSLESS = N * len(PROMPTS)
+MAX_LEN = 32
+MAX_STEPS = 24
 
 PLAIN = dict(temperature=1.0)
 FILTERED = dict(temperature=0.7, top_k=6, top_p=0.9)
+# mtp_shared differs from mtp only in which head a depth indexes (covered in test_drafters.py).
+SPEC = [n for n in ALL if n != "mtp_shared"]
+
+
+def _sampling(temperature=1.0, top_k=0, top_p=1.0) -> Sampling:
+    """Per-row settings: the lossless rows get these, the greedy rows temperature 0. Always
+    arrays (top_k 0 / top_p 1 disable the filters) so every setting shares one compiled step."""
+    b = N_LOSSLESS + len(GREEDY_PROMPTS)
+    temp = np.full(b, temperature, np.float32)
+    temp[N_LOSSLESS:] = 0.0
+    return Sampling(temperature=jnp.asarray(temp), top_k=jnp.full((b,), top_k, jnp.int32),
+                    top_p=jnp.full((b,), top_p, jnp.float32))
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,36 +68,43 @@ def exact_joint(prompt: tuple, temperature=1.0, top_k=0, top_p=1.0) -> np.ndarra
     return p0[:, None, None] * p1[:, :, None] * p2
 
 
-def _first_three(first, outs) -> np.ndarray:
-    toks = np.concatenate([np.asarray(first)[:, None]] + [np.asarray(o.tokens) for o in outs], 1)
+def _emitted(first, outs) -> np.ndarray:
+    """Emitted tokens per row, in order, padded with -1: ``[B, 1 + steps (γ+1)]``."""
+    toks = np.concatenate([np.asarray(first)[:, None]] + [o.tokens for o in outs], 1)
     order = np.argsort(toks < 0, axis=1, kind="stable")  # emitted tokens first, in order
-    out = np.take_along_axis(toks, order, axis=1)[:, :3]
-    assert (out >= 0).all()
-    return out
+    return np.take_along_axis(toks, order, axis=1)
 
 
-def _run(d, params, fr, method, sampling, seed):
+def _run(d, params, fr, method, settings, seed, greedy_rows=True):
+    """Prefill + speculative steps (2, or until the greedy rows have GREEDY_NEW tokens)."""
     gd, st = target()
-    lens = np.repeat([len(p) for p in PROMPTS], N).astype(np.int32)
-    tokens = np.zeros((len(lens), 8), np.int32)
-    for g, p in enumerate(PROMPTS):
-        tokens[g * N:(g + 1) * N, :len(p)] = p
+    prompts = [p for p in PROMPTS for _ in range(N)] + [list(p) for p in GREEDY_PROMPTS]
+    lens = np.array([len(p) for p in prompts], np.int32)
+    tokens = np.zeros((len(prompts), 16), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
     key = jax.random.key(seed)
+    sampling = _sampling(**settings)
     state, first = sp.prefill(gd, st, d, params, fr, jnp.asarray(tokens), jnp.asarray(lens),
                               jax.random.fold_in(key, 0), sampling, max_len=MAX_LEN, gamma=GAMMA,
                               method=method)
     outs = []
-    for i in (1, 2):
+    greedy_count = np.ones(len(GREEDY_PROMPTS), np.int64)
+    for i in range(1, MAX_STEPS + 1):
         state, out = sp.step(gd, st, d, params, fr, state, jax.random.fold_in(key, i), sampling,
                              gamma=GAMMA, method=method)
         outs.append(jax.device_get(out))
-    return _first_three(first, outs), outs
+        greedy_count += outs[-1].num_accepted[N_LOSSLESS:] + 1
+        if i >= 2 and (not greedy_rows or greedy_count.min() >= GREEDY_NEW):
+            break
+    return _emitted(first, outs), outs
 
 
-def _check(emitted, settings, label, check=True):
+def _check_lossless(emitted, settings, label, check=True):
     results = []
     for g, prompt in enumerate(PROMPTS):
-        e = emitted[g * N:(g + 1) * N]
+        e = emitted[g * N:(g + 1) * N, :3]
+        assert (e >= 0).all()
         counts = counts_of(e[:, 0] * VOCAB * VOCAB + e[:, 1] * VOCAB + e[:, 2], VOCAB ** 3)
         probs = exact_joint(tuple(prompt), **settings)
         results.append(chisquare_gof(counts, probs.ravel(), label=f"{label} prompt {g}",
@@ -91,34 +112,36 @@ def _check(emitted, settings, label, check=True):
     return results
 
 
-def _group(name):
-    return pytest.param(name, marks=pytest.mark.xdist_group(f"lossless_{name}"))
+def _check_greedy(emitted, label):
+    got = [list(map(int, row[:GREEDY_NEW])) for row in emitted[N_LOSSLESS:]]
+    assert got == greedy_reference(), (label, got, greedy_reference())
 
 
-# mtp_shared differs from mtp only in which head a depth indexes (covered in test_drafters.py).
-@pytest.mark.parametrize("name", [_group(n) for n in ALL if n != "mtp_shared"])
-def test_rejection_sampling_is_lossless(name):
+# The temperature / top-k / top-p variant runs for these (same compiled step, other settings).
+FILTERED_TOO = ("dspark_markov", "mtp")
+
+
+@pytest.mark.parametrize("name", SPEC)
+def test_speculative_decoding_is_lossless_and_greedy_at_temperature_zero(name):
     d, params, fr = drafter(name)
-    emitted, outs = _run(d, params, fr, "rejection", _sampling(**PLAIN), seed=11)
-    _check(emitted, PLAIN, name)
-    acc = outs[0].num_accepted
+    emitted, outs = _run(d, params, fr, "rejection", PLAIN, seed=11)
+    _check_lossless(emitted, PLAIN, name)
+    acc = outs[0].num_accepted[:N_LOSSLESS]
     assert 0.02 < (acc > 0).mean() < 0.98, "both accepted and rejected drafts must occur"
+    assert (outs[0].num_draft == GAMMA).all()
+    _check_greedy(emitted, name)
+    if name in FILTERED_TOO:
+        emitted, _ = _run(d, params, fr, "rejection", FILTERED, seed=12, greedy_rows=False)
+        _check_lossless(emitted, FILTERED, f"{name} temperature 0.7, top-k 6, top-p 0.9")
 
 
-@pytest.mark.parametrize("name", [_group("dspark_markov"), _group("mtp")])
-def test_rejection_sampling_is_lossless_with_temperature_top_k_top_p(name):
-    d, params, fr = drafter(name)
-    emitted, _ = _run(d, params, fr, "rejection", _sampling(**FILTERED), seed=12)
-    _check(emitted, FILTERED, f"{name} filtered")
-
-
-@pytest.mark.xdist_group("lossless_dspark_markov")
-def test_target_only_sampling_is_lossless():
+def test_target_only_sampling_is_lossless_and_greedy_at_temperature_zero():
     """Target-only verification with argmax drafts from a sequential (Markov) head."""
     d, params, fr = drafter("dspark_markov")
-    emitted, outs = _run(d, params, fr, "target_only", _sampling(**PLAIN), seed=13)
-    _check(emitted, PLAIN, "dspark target-only")
-    assert (outs[0].num_accepted > 0).mean() > 0.02
+    emitted, outs = _run(d, params, fr, "target_only", PLAIN, seed=13)
+    _check_lossless(emitted, PLAIN, "dspark target-only")
+    _check_greedy(emitted, "dspark target-only")
+    assert (outs[0].num_accepted[:N_LOSSLESS] > 0).mean() > 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,10 +169,9 @@ class MisreportedQ:
         return out._replace(probs=0.5 * out.probs + 0.5 / VOCAB), state
 
 
-@pytest.mark.xdist_group("lossless_ngram")
 def test_negative_control_misreported_q_is_caught():
-    """Same seeds and check as test_rejection_sampling_is_lossless[ngram], which passes."""
+    """Same seeds and check as the n-gram drafter's lossless test, which passes."""
     d, params, fr = drafter("ngram")
-    emitted, _ = _run(MisreportedQ(d), params, fr, "rejection", _sampling(**PLAIN), seed=11)
-    results = _check(emitted, PLAIN, "misreported q", check=False)
+    emitted, _ = _run(MisreportedQ(d), params, fr, "rejection", PLAIN, seed=11, greedy_rows=False)
+    results = _check_lossless(emitted, PLAIN, "misreported q", check=False)
     assert not any(r.passed for r in results), results
