@@ -203,7 +203,12 @@ class MTPDrafter:
             num_emitted=jnp.zeros((batch,), jnp.int32))
 
     def prefill(self, params, frozen: SharedHead, state: MTPState, obs: Observation) -> MTPState:
-        """Runs every depth over the prompt (writing the caches), then fills the buffers."""
+        """Runs every depth over the prompt (writing the caches), then fills the buffers.
+
+        Takes the whole prompt in one call (from ``start = 0``): the last ``k - 1`` depth-k entries
+        of a chunk need tokens after it, so a chunked prefill would leave stale entries below the
+        first decoding window.
+        """
         module = self._module(params)
         gamma = len(state.k)
         b, t = obs.tokens.shape
