@@ -92,12 +92,15 @@ GREEDY_CASES = {"ngram": ("fixed", "none"), "draft_lm": ("mtp1",), "mtp": ("fixe
 def test_temperature0_equals_greedy_decoding_under_mixed_load(target, kind):
     d, p, f = _drafter(kind, target)
     for policy in GREEDY_CASES[kind]:
-        cfg = EngineConfig(num_slots=3, max_len=40, gamma=3, prefill_buckets=(4, 8),
+        # One verification bucket and one prefill chunk (prompts up to 10 tokens are fed in
+        # chunks of 8) keep compilation to a minimum. A per-token cost curve (as if every B had
+        # its own bucket) makes the confidence policies choose varied lengths.
+        cfg = EngineConfig(num_slots=3, max_len=40, gamma=3, token_buckets=(12,),
+                           prefill_buckets=(8,),
                            scheduler=SchedulerConfig(policy, k=3, threshold=0.3))
         engine = Engine(target, d, p, f, cfg)
         engine.warmup(profile=False)
-        engine.set_sps(SPSProfile(tuple(engine.buckets),
-                                  tuple(1.0 / (1 + 0.1 * b) for b in engine.buckets)))
+        engine.sps_table = 1.0 / (1.0 + 0.3 * np.arange(13))
         rng = np.random.default_rng(len(kind) * 100 + len(policy))
         reqs = _requests(rng, 8, stop=True)
         results = _run_mixed(engine, reqs, rng)
