@@ -4,7 +4,8 @@ Speculation pays when verifying K drafts (a forward over K + 1 tokens) costs lit
 decoding one token. This measures, on the current backend, for each model preset:
 
 * decode: a cached forward of 1 token per row (tokens/s = batch / step time);
-* verify(K): a cached forward of K + 1 tokens per row, for K = 1..16, as a ratio to decode.
+* verify(K): a cached forward of K + 1 tokens per row, for K = 1..16, as a ratio to decode
+  (decode and verify steps alternate in one loop, so the ratio is robust to machine noise).
 
 Both run at the same context length (the cache is rolled back after every step), through the
 jitted, cache-donating ``cached_forward``. Each figure is the median over ``--reps`` timed steps
@@ -32,25 +33,16 @@ from flax import nnx
 from specjax.models import cached_forward, get_preset, init_cache, init_model
 
 
-def _time_step(graphdef, state, cache, tokens, reps: int, context: int):
-    """Median seconds of one cached forward of ``tokens``; returns (seconds, cache)."""
-    # A host array: each rollback makes a fresh device buffer (the cache, lengths included, is
-    # donated to the next step).
-    lengths = np.full((tokens.shape[0],), context, np.int32)
-    out = cached_forward(graphdef, state, tokens, cache)  # compile
-    cache = out.cache.rollback(lengths)
+def _timed(graphdef, state, cache, tokens, lengths):
+    t0 = time.perf_counter()
+    out = cached_forward(graphdef, state, tokens, cache)
     jax.block_until_ready(out.logits)
-    times = []
-    for _ in range(reps + 2):
-        t0 = time.perf_counter()
-        out = cached_forward(graphdef, state, tokens, cache)
-        jax.block_until_ready(out.logits)
-        times.append(time.perf_counter() - t0)
-        cache = out.cache.rollback(lengths)
-    return statistics.median(times[2:]), cache
+    return time.perf_counter() - t0, out.cache.rollback(lengths)
 
 
 def bench_preset(name: str, *, batch: int, context: int, max_k: int, reps: int) -> dict:
+    """Decode and verify(K) steps *interleaved* (decode, verify, decode, verify, ...) so machine
+    noise hits both alike; the ratio is median(verify) / median(decode) of the same loop."""
     config = get_preset(name)
     model = init_model(config, seed=0)
     graphdef, state = nnx.split(model)
@@ -58,11 +50,26 @@ def bench_preset(name: str, *, batch: int, context: int, max_k: int, reps: int) 
     cache = init_cache(config, batch, max_len)
     prompt = jax.random.randint(jax.random.key(0), (batch, context), 0, config.vocab_size)
     cache = cached_forward(graphdef, state, prompt, cache).cache
-    decode_s, cache = _time_step(graphdef, state, cache, prompt[:, :1], reps, context)
-    rows = []
+    # A host array: each rollback makes a fresh device buffer (the cache, lengths included, is
+    # donated to the next step).
+    lengths = np.full((batch,), context, np.int32)
+    decode_tok = prompt[:, :1]
+    _, cache = _timed(graphdef, state, cache, decode_tok, lengths)  # compile decode
+    rows, decode_all = [], []
     for k in range(1, max_k + 1):
-        verify_s, cache = _time_step(graphdef, state, cache, prompt[:, :k + 1], reps, context)
-        rows.append({"K": k, "verify_ms": verify_s * 1e3, "ratio_to_decode": verify_s / decode_s})
+        verify_tok = prompt[:, :k + 1]
+        _, cache = _timed(graphdef, state, cache, verify_tok, lengths)  # compile verify(K)
+        dec, ver = [], []
+        for _ in range(reps):
+            t, cache = _timed(graphdef, state, cache, decode_tok, lengths)
+            dec.append(t)
+            t, cache = _timed(graphdef, state, cache, verify_tok, lengths)
+            ver.append(t)
+        decode_all += dec
+        rows.append({"K": k, "verify_ms": statistics.median(ver) * 1e3,
+                     "decode_ms_same_loop": statistics.median(dec) * 1e3,
+                     "ratio_to_decode": statistics.median(ver) / statistics.median(dec)})
+    decode_s = statistics.median(decode_all)
     return {"preset": name, "params": config.num_params(), "batch": batch, "context": context,
             "decode_ms": decode_s * 1e3, "decode_tokens_per_s": batch / decode_s, "verify": rows}
 
@@ -77,6 +84,7 @@ def main(argv=None):
     parser.add_argument("--out", default="benchmarks/results/model_step_cost.json")
     args = parser.parse_args(argv)
     results = {"backend": jax.default_backend(), "devices": str(jax.devices()[0]),
+               "load_average_at_start": os.getloadavg(),
                "machine": f"{platform.machine()} {os.cpu_count()} cpus",
                "reps": args.reps, "presets": []}
     for name in args.presets.split(","):
