@@ -74,12 +74,11 @@ def _cli(*args):
                           capture_output=True, text=True, timeout=120)
 
 
-def test_command_line_rejects_misspelt_and_mistyped_overrides(tmp_path):
+def test_command_line_rejects_misspelt_override_and_bad_mesh(tmp_path):
+    # (mistyped values are rejected by the locked schema: test_defaults_are_locked_and_typed)
     cfg = "experiments/configs/pretrain_target.py:tiny"
     typo = _cli("--config", cfg, "--config.train.num_stpes=3", "--workdir", str(tmp_path))
     assert typo.returncode != 0 and "num_stpes" in typo.stderr
-    wrong = _cli("--config", cfg, "--config.train.num_steps=many", "--workdir", str(tmp_path))
-    assert wrong.returncode != 0 and "num_steps" in wrong.stderr
     mesh = _cli("--config", cfg, "--config.mesh.fsdp=3", "--config.data.kind=synthetic",
                 "--workdir", str(tmp_path))
     assert mesh.returncode == 2 and "config.mesh" in mesh.stderr, mesh.stderr[-2000:]

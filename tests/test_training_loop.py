@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from specjax.training import SyntheticLMIterator, Trainer, restore_params, validate_config
+from specjax.training import (SyntheticLMIterator, Trainer, make_mesh, restore_params,
+                              validate_config)
 from specjax.training.checkpoint import abstract_with_shardings
 from specjax.training.inputs import pad_rows
 from specjax.training.metrics import MetricsWriter, plot_loss_curve, read_metrics
@@ -24,10 +25,9 @@ def _cli(*args, timeout=300):
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    """``experiments.train`` on pretrain_target.py:tiny (30-document corpus subset, 4 steps)."""
-    tmp = tmp_path_factory.mktemp("pretrain_tiny")
+def _tiny_run(tmp):
+    """``experiments.train`` on pretrain_target.py:tiny (30-document corpus subset, 4 steps),
+    twice in the same workdir."""
     workdir, data_dir = str(tmp / "run"), str(tmp / "data")
     args = ["--config", "experiments/configs/pretrain_target.py:tiny",
             f"--config.data.data_dir={data_dir}", "--config.checkpoint.keep=1",
@@ -40,8 +40,10 @@ def tiny_run(tmp_path_factory):
     return workdir, first, again, lines_after_first
 
 
-def test_cli_trains_logs_evaluates_and_checkpoints(tiny_run):
-    workdir, first, again, n_lines = tiny_run
+def test_cli_trains_logs_evaluates_checkpoints_and_reopens(tmp_path):
+    # One test (not a shared fixture): the two CLI runs are the expensive part, and xdist's
+    # loadgroup does not keep a module on one worker with pytest 9.2 + xdist 3.8.
+    workdir, first, again, n_lines = _tiny_run(tmp_path)
     for domain in ("math", "code", "prose"):
         assert f"{domain}: held-out loss" in first.stdout
         assert f"{domain}: held-out loss" in again.stdout
@@ -65,15 +67,14 @@ def test_cli_trains_logs_evaluates_and_checkpoints(tiny_run):
     with open(os.path.join(workdir, "loss_curve.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["4"]  # keep=1
+    _check_params_only_restore(workdir)
 
 
-def test_restore_params_only_matches_full_restore(tiny_run):
-    workdir = tiny_run[0]
+def _check_params_only_restore(workdir):
+    """restore_params (what drafter tasks use for the frozen target) == the full restore."""
     config = json.load(open(os.path.join(workdir, "config.json")))
     config["mesh"] = {"data": 1, "fsdp": 2, "tensor": 1}  # restore into a different layout
-    mesh_devices = jax.devices()[:2]
-    from specjax.training import make_mesh
-    trainer = Trainer(config, workdir=workdir, mesh=make_mesh(config["mesh"], mesh_devices))
+    trainer = Trainer(config, workdir=workdir, mesh=make_mesh(config["mesh"], jax.devices()[:2]))
     full = trainer.restore_or_init()
     assert int(full.step) == 4
     abstract = abstract_with_shardings(trainer.abstract_state.params,
@@ -160,7 +161,7 @@ class _FrozenTeacherTask:
 def test_frozen_pytree_is_sharded_never_optimized_and_not_checkpointed(tmp_path):
     from jax.sharding import PartitionSpec as P
 
-    from specjax.training import TrainTask, make_mesh
+    from specjax.training import TrainTask
 
     task = _FrozenTeacherTask()
     assert isinstance(task, TrainTask)
