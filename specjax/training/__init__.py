@@ -2,7 +2,8 @@
 
 Entry points: :class:`Trainer` (the loop), :func:`default_config` / :func:`validate_config`
 (the config schema), :class:`TrainTask` + :func:`register_task` (what is trained), and
-:func:`run` (distributed init + inputs + trainer, used by ``experiments/train.py``).
+:func:`specjax.training.run.run` (distributed init + inputs + trainer; what
+``experiments/train.py`` and the quickstart call).
 See docs/TRAINING.md.
 """
 from specjax.training.checkpoint import Checkpointer, restore_params
