@@ -30,6 +30,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 DOMAINS = ("math", "code", "prose")
+REPORT_DOMAINS = DOMAINS + ("all",)
 
 
 def cell_key(rule: str, temperature: float) -> str:
@@ -60,7 +61,7 @@ def load_trained(workdir: str, target_params):
 
 def evaluate(drafters: Mapping[str, tuple], target, heldout: Mapping[str, tuple], *,
              grid=None, anchors_per_row: int = 8, seed: int = 0, max_slots: int = 256,
-             gammas: Optional[Mapping[str, int]] = None, log=print):
+             gammas: Optional[Mapping[str, int]] = None, pooled: bool = True, log=print):
     """Evaluates every drafter on every domain.
 
     Args:
@@ -69,6 +70,7 @@ def evaluate(drafters: Mapping[str, tuple], target, heldout: Mapping[str, tuple]
       heldout: ``{domain: (tokens, lengths)}``.
       grid: ``(rule, temperature)`` pairs (default :data:`specjax.evaluation.DEFAULT_GRID`).
       gammas: optional ``{name: γ}`` overriding the drafters' own γ at evaluation.
+      pooled: also summarize all domains together under the domain name ``"all"`` (results only).
     Returns:
       ``(results, records)``: ``results[name][cell][domain] = summarize(...)`` and the raw
       :class:`~specjax.evaluation.StepRecords` under the same keys. The anchors (and so the
@@ -93,6 +95,10 @@ def evaluate(drafters: Mapping[str, tuple], target, heldout: Mapping[str, tuple]
             log(f"  eval {name:>16} {domain:>5}: {first['n_steps']} steps, "
                 f"{cell_key(*grid[min(1, len(grid) - 1)])} τ={first['tau']:.2f} "
                 f"({time.perf_counter() - t0:.0f}s)")
+        if pooled and len(heldout) > 1:  # all domains together (wider entropy range)
+            for cell, by_dom in records[name].items():
+                rec = E.StepRecords.concat([by_dom[d] for d in heldout if d in by_dom])
+                results[name][cell]["all"] = E.summarize(rec)
     return results, records
 
 
@@ -146,15 +152,23 @@ def calibration_markdown(cal: Mapping[str, dict]) -> str:
         lines.append("| position | " + " | ".join(str(k + 1) for k in range(g)) + " |")
         lines.append("|" + "---|" * (g + 1))
         f = lambda v: "—" if v is None or not np.isfinite(v) else f"{100 * v:.1f}"
-        lines.append("| ECE before (%) | " + " | ".join(f(v) for v in c["ece_before"]) + " |")
-        lines.append("| ECE after STS (%) | " + " | ".join(f(v) for v in c["ece_after"]) + " |")
+        lines.append("| ECE before, scored half (%) | " + " | ".join(f(v) for v in c["ece_before"])
+                     + " |")
+        lines.append("| ECE after STS, scored half (%) | " + " | ".join(
+            f(v) for v in c["ece_after"]) + " |")
+        lines.append("| ECE before, fitting half (%) | " + " | ".join(
+            f(v) for v in c["fit_ece_before"]) + " |")
+        lines.append("| ECE after STS, fitting half (%) | " + " | ".join(
+            f(v) for v in c["fit_ece_after"]) + " |")
+        lines.append("| observed survival | " + " | ".join(
+            "—" if not np.isfinite(v) else f"{v:.3f}" for v in c["survival_rate"]) + " |")
         lines.append("| AUROC | " + " | ".join(
             "—" if not np.isfinite(v) else f"{v:.3f}" for v in c["auroc"]) + " |")
         lines.append("| T_k | " + " | ".join(f"{v:.2f}" for v in c["temperatures"]) + " |")
     return "\n".join(lines) + "\n"
 
 
-def write_report(results, out_dir: str, *, title: str = "", domains=DOMAINS, cells=None,
+def write_report(results, out_dir: str, *, title: str = "", domains=REPORT_DOMAINS, cells=None,
                  plot_cells=("RS@1", "TO@1")) -> dict:
     """``results.json``, ``results.md`` and the two PNGs in ``out_dir``; returns the paths."""
     from specjax import evaluation as E

@@ -18,7 +18,8 @@ Steps (each is skipped when its outputs exist, so re-running resumes):
    ``warm`` steps, then each loss in {CE, KL, reverse KL, TV, e2e-TV} for ``fine`` more steps from
    that checkpoint (equal total budget; ``task.init_from``), plus (``--extra``) TV and e2e-TV
    from scratch for ``warm + fine`` steps.
-4. **DSpark Table 1 analogue.** DFlash, DSpark-Markov, DSpark-RNN trained at γ = 7 and γ = 15;
+4. **DSpark Table 1 analogue.** DFlash, DSpark-Markov, DSpark-RNN trained at γ = 7 and γ = 15
+   (forward-KL warm start for the first half, then the DSpark objective; the same for all three);
    baselines: the CE MTP head of step 3 run recursively, a 1-layer draft LM (KL), n-gram lookup.
 5. **Evaluation** (:mod:`experiments.offline_eval`): every drafter × (greedy@0, RS@0.6, RS@1,
    TO@0.6, TO@1) for the MTP heads, RS@1 for the DSpark table, on held-out math / code / prose;
@@ -42,7 +43,7 @@ from typing import Optional
 
 import numpy as np
 
-DOMAINS = ("math", "code", "prose")
+DOMAINS = ("math", "code", "prose", "all")  # "all" = the three pooled
 BEBOP_LOSSES = ("ce", "kl", "rkl", "tv", "e2e_tv")
 LOSS_NAMES = {"ce": "CE", "kl": "KL", "rkl": "reverse KL", "tv": "TV", "e2e_tv": "e2e-TV"}
 
@@ -60,10 +61,10 @@ class Mode:
     eval_rows: int = 48  # held-out rows per domain
     anchors: int = 8  # anchors per held-out row
     seeds: int = 2
-    warm: int = 150  # CE warm-start steps
-    fine: int = 150  # steps of each loss after the warm start
-    dspark_steps: int = 250
-    draft_lm_steps: int = 250
+    warm: int = 200  # CE warm-start steps (the head is well into training before TV takes over)
+    fine: int = 100  # steps of each loss after the warm start (CE too: equal total budget)
+    dspark_steps: int = 200
+    draft_lm_steps: int = 200
     bebop_losses: tuple = BEBOP_LOSSES
     dspark_drafters: tuple = ("dflash", "dspark_markov", "dspark_rnn")
     dspark_gammas: tuple = (7, 15)
@@ -71,16 +72,19 @@ class Mode:
     mtp_grid: tuple = (("greedy", 0.0), ("rejection", 0.6), ("rejection", 1.0),
                        ("target_only", 0.6), ("target_only", 1.0))
     dspark_grid: tuple = (("rejection", 1.0),)
+    dspark_eval_rows: int = 64  # more blocks for the DSpark table and the calibration (ECE noise)
+    dspark_anchors: int = 16
 
 
 MODES = {
     "full": Mode(),
-    # about a third of the compute of "full": one seed, shorter runs, fewer anchors
-    "reduced": Mode(seeds=1, warm=100, fine=100, dspark_steps=150, draft_lm_steps=150,
-                    train_rows_per_domain=1500, eval_rows=32),
+    # about half the compute of "full": one seed, shorter runs, fewer held-out rows
+    "reduced": Mode(seeds=1, warm=150, fine=75, dspark_steps=120, draft_lm_steps=120,
+                    train_rows_per_domain=1500, eval_rows=32, dspark_eval_rows=48),
     "tiny": Mode(target_arg="tiny", drafter_arg="tiny", seq_len=32, batch_size=4,
                  train_rows_per_domain=32, max_docs=30, eval_rows=6, anchors=4, seeds=1, warm=2,
                  fine=2, dspark_steps=2, draft_lm_steps=2, bebop_losses=("ce", "tv", "e2e_tv"),
+                 dspark_eval_rows=6, dspark_anchors=4,
                  dspark_drafters=("dflash", "dspark_markov"), dspark_gammas=(7,), lr=1e-2),
 }
 
@@ -129,6 +133,17 @@ def ensure_target(mode: Mode, target_workdir: Optional[str], timings: dict) -> s
     import importlib
 
     from specjax.training.checkpoint import Checkpointer
+    if target_workdir is not None:  # given explicitly: reuse as is, never train in it
+        ck = os.path.join(target_workdir, "checkpoints")
+        c = Checkpointer(ck, async_save=False) if os.path.isdir(ck) else None
+        step = c.latest_step() if c is not None else None
+        if c is not None:
+            c.close()
+        if step is None or not os.path.exists(os.path.join(target_workdir, "config.json")):
+            raise FileNotFoundError(f"--target_workdir {target_workdir}: no config.json / "
+                                    f"complete checkpoint")
+        _log(f"target: using {target_workdir} (step {step})")
+        return target_workdir
     cfg_mod = importlib.import_module("experiments.configs.pretrain_target")
     config = cfg_mod.get_config(mode.target_arg or None)
     config.output.progress_bar = False
@@ -227,8 +242,8 @@ def drafter_config(mode: Mode, variant: str, *, target_workdir: str, train_path:
     c.task.data_file = train_path
     c.task.eval_file = heldout_path
     c.task.init_from = init_from
-    c.task.warm_start_loss = ""
-    c.task.switch_step = 0
+    if c.task.warm_start_loss:  # the config's schedule, rescaled to this run's length
+        c.task.switch_step = max(1, steps // 2)
     return c
 
 
@@ -268,14 +283,25 @@ def _mean_se(values):
                              else float("nan"))
 
 
-def bebop_table(results: dict, losses, seeds: int, prefix: str = "bebop") -> dict:
-    """Per loss and domain: RS@1 / TO@1 acceptance (accepted / γ) mean ± s.e. over seeds, Δ vs CE
-    (paired by seed), and entropy slopes."""
+def _pooled(by_domain: dict, d: str):
+    """The records of domain ``d`` (``"all"``: every domain's, concatenated)."""
+    from specjax.evaluation import StepRecords
+    if d != "all":
+        return by_domain.get(d)
+    parts = [by_domain[x] for x in DOMAINS if x in by_domain]
+    return StepRecords.concat(parts) if parts else None
+
+
+def bebop_table(results: dict, losses, seeds: int, records: Optional[dict] = None,
+                prefix: str = "bebop") -> dict:
+    """Per loss and domain: RS@1 / TO@1 acceptance (accepted / γ), mean ± s.e. over seeds; Δ vs
+    CE of the same seed, with the s.e. over seeds (≥ 2 seeds) or else the *paired* s.e. over the
+    common anchors (every drafter is evaluated at the same held-out anchors); entropy slopes."""
     out = {}
     for loss in losses:
         row = {}
         for d in DOMAINS:
-            rs, to, delta, rs_se_within = [], [], [], []
+            rs, to, delta, rs_se_within, paired_se = [], [], [], [], []
             slopes = {"RS": [], "TO": []}
             for s in range(seeds):
                 name = f"{prefix}_{loss}_s{s}"
@@ -291,15 +317,25 @@ def bebop_table(results: dict, losses, seeds: int, prefix: str = "bebop") -> dic
                     slopes["TO"].append(-results[name]["TO@1"][d]["entropy_fit"]["slope"])
                 if ce in results:
                     delta.append(m["accept_rate"] - results[ce]["RS@1"][d]["accept_rate"])
+                    if records is not None and ce in records and name in records:
+                        a, b = (_pooled(records[n]["RS@1"], d) for n in (name, ce))
+                        if a is not None and b is not None and \
+                                a.num_accepted.shape == b.num_accepted.shape and \
+                                a.num_accepted.size > 1:
+                            diff = (a.num_accepted - b.num_accepted) / a.gamma
+                            paired_se.append(float(diff.std(ddof=1) / np.sqrt(diff.size)))
             if not rs:
                 continue
             rs_m, rs_se = _mean_se(rs)
             if not np.isfinite(rs_se) and rs_se_within:
                 rs_se = float(rs_se_within[0])
             d_m, d_se = _mean_se(delta)
-            if not np.isfinite(d_se) and rs_se_within:
-                d_se = float(np.sqrt(2) * rs_se_within[0])  # one seed: two independent estimates
+            d_paired = float(np.sqrt(np.mean(np.square(paired_se))) / np.sqrt(len(paired_se))) \
+                if paired_se else float("nan")
+            if not np.isfinite(d_se):
+                d_se = d_paired
             row[d] = {"rs": rs_m, "rs_se": rs_se, "delta": d_m, "delta_se": d_se,
+                      "delta_se_paired": d_paired,
                       "to": _mean_se(to)[0], "to_se": _mean_se(to)[1],
                       "rs_slope": _mean_se(slopes["RS"])[0],
                       "rs_slope_se": _mean_se(slopes["RS"])[1],
@@ -468,17 +504,19 @@ def main(argv=None) -> dict:
         drafters = {n: OE.load_trained(wd, target[1]) for n, wd in runs.items()}
         _log(f"evaluating {len(drafters)} MTP drafters x {len(mode.mtp_grid)} cells x "
              f"{len(heldout)} domains")
-        res, _ = OE.evaluate(drafters, target, heldout, grid=mode.mtp_grid,
-                             anchors_per_row=mode.anchors, seed=1234, log=_log)
+        res, recs = OE.evaluate(drafters, target, heldout, grid=mode.mtp_grid,
+                                anchors_per_row=mode.anchors, seed=1234, log=_log)
         timings["eval_bebop_s"] = time.perf_counter() - t0
         out = os.path.join(results_root, "bebop")
         OE.write_report({n: r for n, r in res.items() if n.endswith("_s0")}, out,
                         title="MTP (γ=3) by training loss, seed 0")
         losses = list(mode.bebop_losses) + (["tv_scratch", "e2e_tv_scratch"] if args.extra
                                             else [])
-        table = bebop_table(res, losses, mode.seeds)
+        table = bebop_table(res, losses, mode.seeds, recs)
         summary["bebop"] = {"table": table, "results": res}
         summary["bebop_md"] = bebop_markdown(table)
+        timings["total_s"] = time.perf_counter() - t_start
+        write_summary(summary, workdir, args, mode, final=False)  # partial: Bebop part done
 
     # -- DSpark ----------------------------------------------------------------------------------
     if "dspark" in parts:
@@ -496,6 +534,7 @@ def main(argv=None) -> dict:
         if mtp_wd is None and os.path.isdir(os.path.join(workdir, "drafters", "bebop_ce_s0")):
             mtp_wd = os.path.join(workdir, "drafters", "bebop_ce_s0")
         t0 = time.perf_counter()
+        heldout_ds = OE.load_heldout(heldout_path, max_rows=mode.dspark_eval_rows)
         vocab = model_config_from(tcfg).vocab_size
         res_all, cal = {}, {}
         labels = {"DFlash": {}, "DSpark-Markov": {}, "DSpark-RNN": {}, "MTP (CE, recursive)": {},
@@ -517,8 +556,8 @@ def main(argv=None) -> dict:
             labels["n-gram"][g] = f"ngram_g{g}"
             gammas = {n: g for n in drafters}
             _log(f"evaluating {len(drafters)} drafters at γ={g}")
-            res, recs = OE.evaluate(drafters, target, heldout, grid=mode.dspark_grid,
-                                    anchors_per_row=mode.anchors, seed=4321, gammas=gammas,
+            res, recs = OE.evaluate(drafters, target, heldout_ds, grid=mode.dspark_grid,
+                                    anchors_per_row=mode.dspark_anchors, seed=4321, gammas=gammas,
                                     log=_log)
             res_all.update(res)
             out = os.path.join(results_root, f"dspark_g{g}")
@@ -538,7 +577,7 @@ def main(argv=None) -> dict:
     return summary
 
 
-def write_summary(summary: dict, workdir: str, args, mode: Mode) -> None:
+def write_summary(summary: dict, workdir: str, args, mode: Mode, final: bool = True) -> None:
     from specjax.evaluation import write_json
     t = summary["timings"]
     md = [f"# Reproduction summary (mode `{summary['mode']}`)\n",
@@ -551,7 +590,8 @@ def write_summary(summary: dict, workdir: str, args, mode: Mode) -> None:
           f"{t.get('target_pretrain_s', 0) / 60:.1f} min, cached = 0)\n"]
     if "bebop_md" in summary:
         md += ["## Bebop Table 2 analogue: MTP γ = 3, RS acceptance (accepted/γ, %) at T = 1\n",
-               "Δ vs CE in parentheses (± s.e. over seeds; with one seed the within-run s.e.); "
+               "Δ vs CE in parentheses (± s.e. over seeds; with one seed the paired s.e. over "
+               "the common held-out anchors); "
                "TO = target-only acceptance at T = 1.\n", summary["bebop_md"]]
     if "dspark_md" in summary:
         md += ["## DSpark Table 1 analogue: τ (accepted + 1 per step), RS at T = 1\n",
@@ -562,6 +602,9 @@ def write_summary(summary: dict, workdir: str, args, mode: Mode) -> None:
     with open(os.path.join(workdir, "summary.md"), "w") as f:
         f.write(text)
     write_json(os.path.join(workdir, "summary.json"), summary)
+    if not final:
+        _log(f"wrote {workdir}/summary.md (partial)")
+        return
     _log(f"wrote {workdir}/summary.md\n" + text)
     dest = args.results_dir
     if dest is None:

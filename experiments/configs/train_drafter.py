@@ -25,7 +25,8 @@ can regenerate them with the target for self-distillation).
   of a CE-trained head at equal total budget, one run);
 * ``dspark_markov``, ``dspark_rnn``, ``dflash`` (γ = 7) and ``..._g15`` (γ = 15): DSpark §3.3
   training (16 anchors per row, ``0.1·CE + 0.9·L1 + 1.0·BCE(confidence)``, weights
-  ``exp(−(k−1)/γ)``; DFlash: same loss, no sequential / confidence head);
+  ``exp(−(k−1)/γ)``; DFlash: same loss, no sequential / confidence head), preceded by forward KL
+  for the first half of the steps (a short-budget warm start, the same for all three);
 * ``draft_lm``: an independent 1-layer draft LM distilled with forward KL.
 """
 from specjax.training.config import default_config
@@ -64,7 +65,7 @@ def get_config(arg: str | None = None):
     t.mtp.intermediate_size = 256  # limited capacity (the target's MLP is 768)
     t.dspark.target_layers = "2,4"
     t.dspark.num_layers = 1
-    t.dspark.rank = 32
+    t.dspark.rank = 64
 
     if variant.startswith("mtp_"):
         loss = variant[len("mtp_"):]
@@ -87,6 +88,10 @@ def get_config(arg: str | None = None):
         t.gamma = int(g) if g else 7
         t.loss = "dspark"
         t.anchors_per_row = 16
+        # A short CPU budget: the first half with forward KL (dense gradients), then the DSpark
+        # objective (whose L1 = 2·TV part learns slowly from a random init: gradient ∝ q).
+        t.warm_start_loss = "kl"
+        t.switch_step = c.train.num_steps // 2
     elif variant == "draft_lm":
         t.drafter = "draft_lm"
         t.gamma = 1  # its draft k at anchor i is its next-token distribution at i + k: γ-free
