@@ -293,10 +293,11 @@ def _pooled(by_domain: dict, d: str):
 
 
 def bebop_table(results: dict, losses, seeds: int, records: Optional[dict] = None,
-                prefix: str = "bebop") -> dict:
+                prefix: str = "bebop", ref: str = "ce") -> dict:
     """Per loss and domain: RS@1 / TO@1 acceptance (accepted / γ), mean ± s.e. over seeds; Δ vs
-    CE of the same seed, with the s.e. over seeds (≥ 2 seeds) or else the *paired* s.e. over the
-    common anchors (every drafter is evaluated at the same held-out anchors); entropy slopes."""
+    the ``ref`` loss (default CE) of the same seed, with the s.e. over seeds (≥ 2 seeds) or else
+    the *paired* s.e. over the common anchors (every drafter is evaluated at the same held-out
+    anchors); entropy slopes."""
     out = {}
     for loss in losses:
         row = {}
@@ -305,7 +306,7 @@ def bebop_table(results: dict, losses, seeds: int, records: Optional[dict] = Non
             slopes = {"RS": [], "TO": []}
             for s in range(seeds):
                 name = f"{prefix}_{loss}_s{s}"
-                ce = f"{prefix}_ce_s{s}"
+                ce = f"{prefix}_{ref}_s{s}"
                 if name not in results or d not in results[name].get("RS@1", {}):
                     continue
                 m = results[name]["RS@1"][d]
@@ -342,6 +343,21 @@ def bebop_table(results: dict, losses, seeds: int, records: Optional[dict] = Non
                       "to_slope": _mean_se(slopes["TO"])[0], "n_seeds": len(rs)}
         out[loss] = row
     return out
+
+
+def bebop_delta_markdown(table: dict, ref: str) -> str:
+    """One line per loss: Δ accepted/γ (points) vs ``ref`` per domain, ± s.e."""
+    f = lambda v, p=1: "—" if v is None or not np.isfinite(v) else f"{v:.{p}f}"
+    lines = [f"| Δ vs {LOSS_NAMES.get(ref, ref)} (points) | " + " | ".join(DOMAINS) + " |",
+             "|---|" + "---|" * len(DOMAINS)]
+    for loss, row in table.items():
+        if loss == ref:
+            continue
+        lines.append(f"| {LOSS_NAMES.get(loss, loss)} | " + " | ".join(
+            "—" if d not in row else
+            f"{'+' if row[d]['delta'] >= 0 else ''}{f(100 * row[d]['delta'])} ± "
+            f"{f(100 * row[d]['delta_se'])}" for d in DOMAINS) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def bebop_markdown(table: dict) -> str:
@@ -515,6 +531,11 @@ def main(argv=None) -> dict:
         table = bebop_table(res, losses, mode.seeds, recs)
         summary["bebop"] = {"table": table, "results": res}
         summary["bebop_md"] = bebop_markdown(table)
+        if "kl" in losses:  # Bebop's CE is the soft-label CE = KL + H(p): compare against KL too
+            table_kl = bebop_table(res, losses, mode.seeds, recs, ref="kl")
+            summary["bebop"]["table_vs_kl"] = table_kl
+            summary["bebop_md"] += ("\nAgainst forward KL (the soft-label CE of Bebop's "
+                                    "baseline):\n\n" + bebop_delta_markdown(table_kl, "kl"))
         timings["total_s"] = time.perf_counter() - t_start
         write_summary(summary, workdir, args, mode, final=False)  # partial: Bebop part done
 
