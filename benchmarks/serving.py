@@ -87,6 +87,7 @@ def summarize(results, wall: float, engine: Engine) -> dict:
         itl.extend(np.diff(times).tolist())
     steps = [s for s in engine.stats if s.active]
     host = [s.schedule_s for s in steps]
+    wait = [s.draft_wait_s for s in steps]
     step_t = [s.step_s for s in steps]
     emitted = sum(s.accepted + s.active for s in steps)
     return {
@@ -97,7 +98,12 @@ def summarize(results, wall: float, engine: Engine) -> dict:
         "itl_p99_ms": 1e3 * float(np.percentile(itl, 99)) if itl else 0.0,
         "tau": emitted / max(1, sum(s.active for s in steps)),
         "mean_bucket": float(np.mean([s.bucket for s in steps])),
+        # scheduler host cost (policy + bucket pick) as a fraction of the engine step, and
+        # per step; the wait for the drafts' confidences is device time, reported separately
         "host_frac": float(np.sum(host) / max(np.sum(step_t), 1e-12)),
+        "host_us_per_step": 1e6 * float(np.mean(host)) if host else 0.0,
+        "step_ms": 1e3 * float(np.mean(step_t)) if step_t else 0.0,
+        "draft_wait_frac": float(np.sum(wait) / max(np.sum(step_t), 1e-12)),
         "steps": len(steps),
         "tokens": toks,
     }
@@ -226,6 +232,7 @@ def main(argv=None):
                                                      prompts, args.max_new_tokens,
                                                      args.temperature, rate, prof)
                 print(f"poisson {rate}/s {p}: {report['poisson'][rate][p]}", flush=True)
+    report["goals"] = goals(report)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
@@ -244,14 +251,16 @@ def write_markdown(report: dict, path: str, argv) -> None:
     for c, block in report["closed_loop"].items():
         lines += [f"## Closed loop, concurrency {c}", "",
                   "| policy | aggregate tok/s | per-user tok/s | τ | mean bucket | TTFT ms | "
-                  "ITL p50 ms | ITL p99 ms | host cost |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "ITL p50 ms | ITL p99 ms | step ms | scheduler µs/step | scheduler cost |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for p, r in block["policies"].items():
             lines.append(f"| {p} | {r['aggregate_tok_s']:.1f} | {r['per_user_tok_s']:.1f} | "
                          f"{r['tau']:.2f} | {r['mean_bucket']:.1f} | {r['ttft_ms']:.1f} | "
                          f"{r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | "
+                         f"{r['step_ms']:.1f} | {r['host_us_per_step']:.0f} | "
                          f"{100 * r['host_frac']:.2f}% |")
         lines.append("")
+    lines += goals_markdown(report)
     if report["overlap"]:
         o = report["overlap"]
         lines += [f"Overlap of drafting with host work at concurrency {o['concurrency']}: "
@@ -268,6 +277,56 @@ def write_markdown(report: dict, path: str, argv) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         f.write("\n".join(lines))
+
+
+def goals(report: dict) -> dict:
+    """The issue's goals, computed from the closed-loop medians (no thresholds applied here).
+
+    * ``vs_best_fixed[C]``: dspark aggregate / the best fixed-K (fixed*, mtp1) aggregate at C.
+    * ``vs_none_at_max``: dspark aggregate / no-speculation aggregate at the highest C.
+    * ``per_user_vs_mtp1``: at each dspark point whose aggregate lies inside MTP-1's range, dspark
+      per-user speed / MTP-1's per-user speed at the same aggregate (linear interpolation along
+      MTP-1's curve, ordered by aggregate).
+    """
+    cl = report["closed_loop"]
+    out = {"vs_best_fixed": {}, "vs_none_at_max": None, "per_user_vs_mtp1": {}}
+    for c, block in cl.items():
+        pol = block["policies"]
+        fixed = {p: r["aggregate_tok_s"] for p, r in pol.items()
+                 if p.startswith("fixed") or p == "mtp1"}
+        if "dspark" in pol and fixed:
+            best = max(fixed, key=fixed.get)
+            out["vs_best_fixed"][c] = {"ratio": pol["dspark"]["aggregate_tok_s"] / fixed[best],
+                                       "best_fixed": best}
+    if cl:
+        top = cl[max(cl, key=int)]["policies"]
+        if "dspark" in top and "none" in top:
+            out["vs_none_at_max"] = top["dspark"]["aggregate_tok_s"] / top["none"]["aggregate_tok_s"]
+    blocks = list(cl.values())
+    if blocks and "dspark" in blocks[0]["policies"] and "mtp1" in blocks[0]["policies"]:
+        m = sorted((b["policies"]["mtp1"]["aggregate_tok_s"], b["policies"]["mtp1"]["per_user_tok_s"])
+                   for b in blocks)
+        xs, ys = [a for a, _ in m], [u for _, u in m]
+        for c, b in cl.items():
+            agg, user = (b["policies"]["dspark"][k] for k in ("aggregate_tok_s", "per_user_tok_s"))
+            if xs[0] <= agg <= xs[-1]:
+                out["per_user_vs_mtp1"][c] = user / float(np.interp(agg, xs, ys))
+    return out
+
+
+def goals_markdown(report: dict) -> list[str]:
+    g = goals(report)
+    lines = ["## Goals (computed from the medians above)", ""]
+    if g["vs_best_fixed"]:
+        lines.append("DSpark aggregate / best fixed-K aggregate per concurrency: " + ", ".join(
+            f"C={c}: {v['ratio']:.3f} ({v['best_fixed']})" for c, v in g["vs_best_fixed"].items()))
+    if g["vs_none_at_max"] is not None:
+        lines.append(f"\nDSpark / no speculation aggregate at the highest concurrency: "
+                     f"{g['vs_none_at_max']:.3f}")
+    if g["per_user_vs_mtp1"]:
+        lines.append("\nDSpark per-user speed / MTP-1's at the same aggregate throughput: " + ", ".join(
+            f"C={c}: {v:.2f}" for c, v in g["per_user_vs_mtp1"].items()))
+    return lines + [""]
 
 
 def plot_pareto(report: dict, path: str) -> None:

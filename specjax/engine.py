@@ -41,7 +41,8 @@ from flax import nnx
 
 from specjax import scheduling
 from specjax.drafters.base import DraftOutput, Sampling
-from specjax.engine_steps import DeviceState, draft_step, prefill_step, verify_step
+from specjax.engine_steps import (DeviceState, draft_step, merge_rows, prefill_step,
+                                  verify_step)
 from specjax.models.kv_cache import init_cache
 from specjax.scheduling import SchedulerConfig
 
@@ -174,8 +175,9 @@ class StepStats:
     tokens: int
     drafts_verified: int
     accepted: int
-    schedule_s: float
+    schedule_s: float  # host time of the scheduling policy + bucket pick (numpy only)
     step_s: float
+    draft_wait_s: float = 0.0  # time blocked on the device for the drafts' confidences
 
 
 class Engine:
@@ -209,6 +211,7 @@ class Engine:
         self._draws = 0
         self._key = jax.random.key(config.seed)
         self._empty_draft = None
+        self._no_draft_rows: Optional[np.ndarray] = None  # bool [S]: rows forced to ℓ = 0
         self.sps: Optional[scheduling.SPSProfile] = None
         self.sps_table = np.ones(self.buckets[-1] + 1)
         self.stats: list[StepStats] = []
@@ -296,8 +299,8 @@ class Engine:
         return jax.random.fold_in(self._key, self._draws)
 
     # ---------------------------------------------------------------------------------- admission
-    def _admit(self) -> bool:
-        """Moves queued requests into free slots and prefills them. Returns whether any."""
+    def _admit(self) -> list[int]:
+        """Moves queued requests into free slots and prefills them. Returns the slots admitted."""
         new = []
         for i in range(self.config.num_slots):
             if self.slots[i] is None and self.queue:
@@ -305,7 +308,7 @@ class Engine:
                 self.slots[i].result.admit_time = time.perf_counter()
                 new.append(i)
         if not new:
-            return False
+            return new
         s = self.config.num_slots
         first_chunk = True
         while True:
@@ -343,7 +346,7 @@ class Engine:
                 if is_last[i]:
                     self._emit(i, [int(first[i])], now)
         del first_chunk
-        return True
+        return new
 
     # ---------------------------------------------------------------------------------- finishing
     def _emit(self, slot: int, tokens: Iterable[int], now: float) -> None:
@@ -392,12 +395,25 @@ class Engine:
         """Placeholder drafts for the "none" policy (never verified: ℓ = 0)."""
         if self._empty_draft is None:
             s, g, v = self.config.num_slots, self.config.gamma, self.model_config.vocab_size
-            self._empty_draft = DraftOutput(jnp.zeros((s, g), jnp.int32),
-                                            jnp.zeros((s, g, v), jnp.float32), None)
+            # device_put of host zeros: nothing to compile after warm-up (jnp.zeros would)
+            self._empty_draft = DraftOutput(jax.device_put(np.zeros((s, g), np.int32)),
+                                            jax.device_put(np.zeros((s, g, v), np.float32)),
+                                            None)
         return self._empty_draft
 
-    def _schedule(self, draft) -> np.ndarray:
-        """ℓ per slot (-1 idle) from the policy; capped so no request overshoots max_new_tokens."""
+    def _host_confidences(self, draft) -> Optional[np.ndarray]:
+        """The drafts' confidences ``[S, γ]`` on the host when the policy uses them (this waits
+        for the device to finish drafting), else None."""
+        if self.drafter.has_confidence and draft.confidences is not None and \
+                self.config.scheduler.policy in CONFIDENCE_POLICIES:
+            return np.asarray(draft.confidences, np.float64)
+        return None
+
+    def _schedule(self, conf_all: Optional[np.ndarray]) -> np.ndarray:
+        """ℓ per slot (-1 idle) from the policy; capped so no request overshoots max_new_tokens.
+
+        ``conf_all``: float ``[S, γ]`` confidences already on the host (or None).
+        """
         cfg = self.config
         active = np.array([l is not None for l in self.slots])
         rows = np.flatnonzero(active)
@@ -405,11 +421,9 @@ class Engine:
         cap = np.array([min(cfg.gamma, self.slots[i].request.max_new_tokens
                             - self.slots[i].generated - 1) for i in rows])
         cap = np.maximum(cap, 0)
-        conf = None
-        if self.drafter.has_confidence and draft.confidences is not None and \
-                cfg.scheduler.policy in CONFIDENCE_POLICIES:
-            conf_all = np.asarray(draft.confidences, np.float64)
-            conf = conf_all[rows]
+        if self._no_draft_rows is not None:
+            cap = np.where(self._no_draft_rows[rows], 0, cap)
+        conf = None if conf_all is None else conf_all[rows]
         if conf is None:
             conf = np.ones((len(rows), cfg.gamma))
         stale = None
@@ -419,7 +433,8 @@ class Engine:
                                       stale_confidences=stale, max_len=cap)
         if cfg.scheduler.policy == "production":
             for j, i in enumerate(rows):
-                self.slots[i].conf_history.append(conf[j])
+                if self._no_draft_rows is None or not self._no_draft_rows[i]:
+                    self.slots[i].conf_history.append(conf[j])
         out = np.full(cfg.num_slots, -1, np.int32)
         out[rows] = lengths
         return out
@@ -458,6 +473,7 @@ class Engine:
             drafter_state=self.drafter.init_state(s, self.config.max_len, self.config.gamma),
             anchor=jnp.zeros((s,), jnp.int32))
         self._pending_draft = None
+        self._no_draft_rows = None
 
     def _step(self) -> Optional[StepStats]:
         t0 = time.perf_counter()
@@ -467,12 +483,26 @@ class Engine:
         if self.config.scheduler.policy == "none":
             # Plain decoding through the same verification step: no drafting cost at all.
             self._pending_draft = (self._no_draft(), self.state.drafter_state)
-        elif self._pending_draft is None or admitted:
-            self._pending_draft = self._draft()
+        elif self._pending_draft is None or self.num_active == len(admitted):
+            self._pending_draft = self._draft()  # (no earlier row would use the pre-dispatched)
+        elif admitted:
+            # The drafts pre-dispatched at the last step (overlap) predate these admissions. The
+            # other rows' drafts stay valid (prefill leaves their drafter state untouched); the
+            # admitted rows keep their prefilled drafter state and verify no drafts this step
+            # (ℓ = 0: their first step is plain decoding), which decides nothing from a draft.
+            draft, dstate_after = self._pending_draft
+            mask = np.zeros(self.config.num_slots, bool)
+            mask[admitted] = True
+            self._no_draft_rows = mask
+            self._pending_draft = (draft, merge_rows(
+                self.drafter, mask, self.state.drafter_state, dstate_after,
+                max_len=self.config.max_len, gamma=self.config.gamma))
         draft, dstate_after = self._pending_draft
         self._pending_draft = None
+        tw = time.perf_counter()
+        conf = self._host_confidences(draft)  # device time (drafting), not scheduler cost
         ts = time.perf_counter()
-        num_draft = self._schedule(draft)
+        num_draft = self._schedule(conf)
         n_tokens = int(np.sum(num_draft[num_draft >= 0] + 1))
         bucket = scheduling.pick_bucket(self.buckets, n_tokens)
         schedule_s = time.perf_counter() - ts
@@ -493,12 +523,11 @@ class Engine:
             live.verify_steps += 1
             live.result.accepted += int(accepted[i])
             self._emit(i, tokens[i, :accepted[i] + 1].tolist(), now)
-        if self.queue and any(l is None for l in self.slots):
-            self._pending_draft = None  # admissions at the next step change the drafter state
+        self._no_draft_rows = None
         stats = StepStats(active=int(np.sum(num_draft >= 0)), bucket=bucket, tokens=n_tokens,
                           drafts_verified=int(np.sum(np.maximum(num_draft, 0))),
                           accepted=int(np.sum(accepted)), schedule_s=schedule_s,
-                          step_s=time.perf_counter() - t0)
+                          step_s=time.perf_counter() - t0, draft_wait_s=ts - tw)
         self.stats.append(stats)
         return stats
 
@@ -531,7 +560,10 @@ class Engine:
                 self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
                 self.state, np.zeros((s, c), np.int32), z, np.zeros(s, bool), z,
                 np.zeros(s, bool), keys, sampling, max_len=self.config.max_len, gamma=g)
-        draft, _ = self._draft()
+        draft, dstate = self._draft()
+        if self.config.overlap:  # admissions under overlap merge pre-dispatched drafter rows
+            merge_rows(self.drafter, np.zeros(s, bool), self.state.drafter_state, dstate,
+                       max_len=self.config.max_len, gamma=g)
         idle = np.full(s, -1, np.int32)
 
         def run_bucket(b):

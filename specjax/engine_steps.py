@@ -151,6 +151,13 @@ def select_rows(mask: jax.Array, new, old, axes):
     return jax.tree.map(pick, new, old, axes)
 
 
+@functools.partial(jax.jit, static_argnames=("drafter", "max_len", "gamma"))
+def merge_rows(drafter, mask: jax.Array, new, old, *, max_len: int, gamma: int):
+    """Drafter state with the rows where ``mask`` (bool ``[S]``) from ``new``, the rest from ``old``."""
+    axes = batch_axes(drafter, old, mask.shape[0], max_len, gamma)
+    return select_rows(mask, new, old, axes)
+
+
 def sample_rows(keys: jax.Array, probs: jax.Array) -> jax.Array:
     """One token per row ``[S, V] -> [S]`` with the row's own key."""
     return jax.vmap(sample)(keys, probs)
