@@ -163,6 +163,10 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--overlap-at", type=int, default=8)
     ap.add_argument("--poisson-rates", default="", help="requests/s, e.g. 2,4,8 (32 slots)")
+    ap.add_argument("--poisson-loads", default="",
+                    help="offered loads as fractions of the no-speculation capacity measured in "
+                         "the closed loop at the highest concurrency, e.g. 0.5,0.9 (rate = load × "
+                         "aggregate tok/s of 'none' / max new tokens)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/serving.json")
     ap.add_argument("--md", default="docs/SERVING_RESULTS.md")
@@ -216,7 +220,14 @@ def main(argv=None):
             report["overlap"] = {"concurrency": c, "on_over_off_aggregate": ratios,
                                  "median": statistics.median(ratios)}
             print(f"overlap on/off aggregate throughput at C={c}: {ratios}")
-    if args.poisson_rates:
+    rates = [float(r) for r in args.poisson_rates.split(",")] if args.poisson_rates else []
+    if args.poisson_loads:
+        top = report["closed_loop"][max(conc)]["policies"]
+        if "none" not in top:
+            raise SystemExit("--poisson-loads needs the 'none' policy in --policies")
+        cap = top["none"]["aggregate_tok_s"] / args.max_new_tokens  # requests/s
+        rates += [round(float(x) * cap, 3) for x in args.poisson_loads.split(",")]
+    if rates:
         c = max(conc)
         prompts = load_prompts(args, vocab, args.requests_per_slot * c)
         base = EngineConfig(num_slots=c, max_len=max_len, gamma=gamma,
@@ -224,7 +235,7 @@ def main(argv=None):
         sps = SPSFromReport = report["closed_loop"][c]["sps"]
         from specjax.scheduling import SPSProfile
         prof = SPSProfile(tuple(SPSFromReport["buckets"]), tuple(sps["steps_per_s"]))
-        for rate in [float(r) for r in args.poisson_rates.split(",")]:
+        for rate in rates:
             report["poisson"][rate] = {}
             for p in pols:
                 cfg = EngineConfig(**{**base.__dict__, "scheduler": POLICIES[p]})
