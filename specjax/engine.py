@@ -203,6 +203,8 @@ class Engine:
         self.prefill_buckets = scheduling.validate_buckets(config.prefill_buckets)
         s = config.num_slots
         self.raise_errors = False
+        leaf_devices = jax.tree.leaves(self.target_state)[0].devices()
+        self._device = next(iter(leaf_devices)) if len(leaf_devices) == 1 else jax.devices()[0]
         self._reset_device_state()
         self.slots: list[Optional[_Live]] = [None] * s
         self.queue: collections.deque[_Live] = collections.deque()
@@ -396,9 +398,9 @@ class Engine:
         if self._empty_draft is None:
             s, g, v = self.config.num_slots, self.config.gamma, self.model_config.vocab_size
             # device_put of host zeros: nothing to compile after warm-up (jnp.zeros would)
-            self._empty_draft = DraftOutput(jax.device_put(np.zeros((s, g), np.int32)),
-                                            jax.device_put(np.zeros((s, g, v), np.float32)),
-                                            None)
+            self._empty_draft = DraftOutput(jax.device_put(np.zeros((s, g), np.int32), self._device),
+                                            jax.device_put(np.zeros((s, g, v), np.float32),
+                                                           self._device), None)
         return self._empty_draft
 
     def _host_confidences(self, draft) -> Optional[np.ndarray]:
@@ -468,10 +470,12 @@ class Engine:
 
     def _reset_device_state(self) -> None:
         s = self.config.num_slots
-        self.state = DeviceState(
+        # Committed to the device like every jitted step's outputs: an uncommitted input is a
+        # different compilation key, so warm-up on a fresh state would not cover later steps.
+        self.state = jax.device_put(DeviceState(
             cache=init_cache(self.model_config, s, self.config.max_len),
             drafter_state=self.drafter.init_state(s, self.config.max_len, self.config.gamma),
-            anchor=jnp.zeros((s,), jnp.int32))
+            anchor=jnp.zeros((s,), jnp.int32)), self._device)
         self._pending_draft = None
         self._no_draft_rows = None
 

@@ -274,9 +274,18 @@ def test_request_validation_cancel_and_queue(target):
 @pytest.mark.parametrize("policy", ["dspark", "none"])
 def test_no_compilation_after_warmup(target, policy):
     """≥ 200 steps with arrivals, departures and changing concurrency compile nothing (with
-    overlap on, so admissions merge pre-dispatched drafter rows; "none" uses placeholder drafts)."""
+    overlap on, so admissions merge pre-dispatched drafter rows; "none" uses placeholder drafts).
+
+    The jit caches are cleared first: steps compiled by earlier tests (e.g. with committed
+    inputs that this engine's warm-up would not have produced) must not hide a compile."""
+    jax.clear_caches()
     d, p, f = _drafter("dspark", target)
-    engine = Engine(target, d, p, f, EngineConfig(num_slots=4, max_len=40, gamma=3,
+    # Weights committed to a device, as a restored checkpoint's are.
+    dev = jax.devices()[0]
+    graphdef, state = nnx.split(target)
+    committed = (graphdef, jax.device_put(state, dev))
+    p, f = jax.device_put(p, dev), jax.device_put(f, dev)
+    engine = Engine(committed, d, p, f, EngineConfig(num_slots=4, max_len=40, gamma=3,
                                                   prefill_buckets=(4, 8), overlap=True,
                                                   scheduler=SchedulerConfig(policy)))
     engine.warmup(profile=True)
