@@ -21,6 +21,7 @@ Writes ``benchmarks/results/serving.json``, ``docs/SERVING_RESULTS.md`` table an
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -63,16 +64,28 @@ def load_models(args):
 
 
 def load_prompts(args, vocab: int, n: int) -> list[list[int]]:
+    """``n`` prompts of ``--prompt-len`` tokens.
+
+    From ``--prompts`` (the reproduction's ``heldout.npz``: ``tokens [N, T]``, ``lengths``,
+    ``domain``): rows longer than the prompt, taken round-robin over the domains so that traffic
+    mixes math / code / prose, each row's first tokens *including* its leading BOS / separator
+    (the target and the drafters were trained with it). Else random tokens.
+    """
     rng = np.random.default_rng(0)
-    if args.prompts and os.path.exists(args.prompts):
+    if args.prompts:
+        if not os.path.exists(args.prompts):
+            raise SystemExit(f"--prompts {args.prompts!r} does not exist")
         data = np.load(args.prompts)
-        rows = data[data.files[0]]
-        out = []
-        for i in range(n):
-            row = rows[i % len(rows)]
-            row = row[row > 0] if (row > 0).any() else row
-            out.append([int(t) for t in row[:args.prompt_len]])
-        return out
+        rows = data["tokens"] if "tokens" in data.files else data[data.files[0]]
+        lengths = data["lengths"] if "lengths" in data.files else np.full(len(rows), rows.shape[1])
+        domain = data["domain"] if "domain" in data.files else np.zeros(len(rows), int)
+        ok = lengths > args.prompt_len
+        per_domain = [np.flatnonzero(ok & (domain == d)) for d in np.unique(domain)]
+        order = [int(x) for group in itertools.zip_longest(*per_domain) for x in group
+                 if x is not None]
+        if not order:
+            raise SystemExit(f"no row of {args.prompts} is longer than --prompt-len")
+        return [rows[order[i % len(order)], :args.prompt_len].tolist() for i in range(n)]
     return [rng.integers(0, vocab, size=args.prompt_len).tolist() for _ in range(n)]
 
 
@@ -110,19 +123,20 @@ def summarize(results, wall: float, engine: Engine) -> dict:
 
 
 def run_one(target, drafter, params, frozen, cfg: EngineConfig, prompts, max_new: int,
-            temperature: float, sps=None):
+            temperature: float, sps=None, stop=()):
     engine = Engine(target, drafter, params, frozen, cfg)
     engine.warmup(profile=sps is None)
     if sps is not None:
         engine.set_sps(sps)
-    reqs = [Request(prompt=p, max_new_tokens=max_new, temperature=temperature, seed=i)
-            for i, p in enumerate(prompts)]
+    reqs = [Request(prompt=p, max_new_tokens=max_new, temperature=temperature, seed=i,
+                    stop_tokens=stop) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
     results = engine.generate(reqs)
     return summarize(results, time.perf_counter() - t0, engine), engine
 
 
-def poisson(target, drafter, params, frozen, cfg, prompts, max_new, temperature, rate, sps):
+def poisson(target, drafter, params, frozen, cfg, prompts, max_new, temperature, rate, sps,
+            stop=()):
     """Open loop: requests arrive with exponential gaps (rate per second)."""
     engine = Engine(target, drafter, params, frozen, cfg)
     engine.warmup(profile=False)
@@ -135,7 +149,7 @@ def poisson(target, drafter, params, frozen, cfg, prompts, max_new, temperature,
         now = time.perf_counter() - t0
         while i < len(prompts) and arrivals[i] <= now:
             ids.append(engine.submit(Request(prompt=prompts[i], max_new_tokens=max_new,
-                                             temperature=temperature, seed=i)))
+                                             temperature=temperature, seed=i, stop_tokens=stop)))
             i += 1
         if engine.has_work():
             engine.step()
@@ -160,13 +174,16 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--stop-tokens", default="",
+                    help="comma-separated stop token ids (e.g. 0, the embedded corpus' separator: "
+                         "requests end where a document would)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--overlap-at", type=int, default=8)
     ap.add_argument("--poisson-rates", default="", help="requests/s, e.g. 2,4,8 (32 slots)")
     ap.add_argument("--poisson-loads", default="",
                     help="offered loads as fractions of the no-speculation capacity measured in "
                          "the closed loop at the highest concurrency, e.g. 0.5,0.9 (rate = load × "
-                         "aggregate tok/s of 'none' / max new tokens)")
+                         "aggregate tok/s of 'none' / its mean tokens per request)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/serving.json")
     ap.add_argument("--md", default="docs/SERVING_RESULTS.md")
@@ -179,6 +196,7 @@ def main(argv=None):
     target, drafter, params, frozen, gamma = load_models(args)
     vocab = frozen.vocab_size
     conc = [int(c) for c in args.concurrency.split(",")]
+    stop = tuple(int(t) for t in args.stop_tokens.split(",") if t.strip())
     pols = args.policies.split(",")
     report = {"machine": f"{platform.machine()} {os.cpu_count()} cpus", "backend":
               jax.default_backend(), "gamma": gamma, "args": vars(args), "closed_loop": {},
@@ -196,7 +214,7 @@ def main(argv=None):
             for p in pols:
                 cfg = EngineConfig(**{**base.__dict__, "scheduler": POLICIES[p]})
                 r, _ = run_one(target, drafter, params, frozen, cfg, prompts,
-                               args.max_new_tokens, args.temperature, sps)
+                               args.max_new_tokens, args.temperature, sps, stop)
                 runs[p].append(r)
                 print(f"C={c:3d} {p:13s} rep {rep}: agg {r['aggregate_tok_s']:8.1f} tok/s  "
                       f"user {r['per_user_tok_s']:7.1f}  tau {r['tau']:.2f}  "
@@ -215,7 +233,7 @@ def main(argv=None):
                                           if "dspark" in pols else POLICIES[pols[0]],
                                           "overlap": ov})
                     res[ov] = run_one(target, drafter, params, frozen, cfg, prompts,
-                                      args.max_new_tokens, args.temperature, sps)[0]
+                                      args.max_new_tokens, args.temperature, sps, stop)[0]
                 ratios.append(res[True]["aggregate_tok_s"] / res[False]["aggregate_tok_s"])
             report["overlap"] = {"concurrency": c, "on_over_off_aggregate": ratios,
                                  "median": statistics.median(ratios)}
@@ -225,7 +243,9 @@ def main(argv=None):
         top = report["closed_loop"][max(conc)]["policies"]
         if "none" not in top:
             raise SystemExit("--poisson-loads needs the 'none' policy in --policies")
-        cap = top["none"]["aggregate_tok_s"] / args.max_new_tokens  # requests/s
+        # requests/s: tokens/s over the measured mean tokens per request (stop tokens end some early)
+        mean_len = top["none"]["tokens"] / (args.requests_per_slot * max(conc))
+        cap = top["none"]["aggregate_tok_s"] / mean_len
         rates += [round(float(x) * cap, 3) for x in args.poisson_loads.split(",")]
     if rates:
         c = max(conc)
@@ -241,7 +261,7 @@ def main(argv=None):
                 cfg = EngineConfig(**{**base.__dict__, "scheduler": POLICIES[p]})
                 report["poisson"][rate][p] = poisson(target, drafter, params, frozen, cfg,
                                                      prompts, args.max_new_tokens,
-                                                     args.temperature, rate, prof)
+                                                     args.temperature, rate, prof, stop)
                 print(f"poisson {rate}/s {p}: {report['poisson'][rate][p]}", flush=True)
     report["goals"] = goals(report)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
