@@ -117,6 +117,7 @@ def summarize(results, wall: float, engine: Engine) -> dict:
         "host_us_per_step": 1e6 * float(np.mean(host)) if host else 0.0,
         "step_ms": 1e3 * float(np.mean(step_t)) if step_t else 0.0,
         "draft_wait_frac": float(np.sum(wait) / max(np.sum(step_t), 1e-12)),
+        "drafted_frac": float(np.mean([s.drafted for s in steps])) if steps else 0.0,
         "steps": len(steps),
         "tokens": toks,
     }
@@ -221,7 +222,8 @@ def main(argv=None):
                       f"bucket {r['mean_bucket']:.1f}  host {100 * r['host_frac']:.2f}%",
                       flush=True)
         report["closed_loop"][c] = {
-            "sps": {"buckets": list(sps.buckets), "steps_per_s": list(sps.steps_per_s)},
+            "sps": {"buckets": list(sps.buckets), "steps_per_s": list(sps.steps_per_s),
+                    "draft_s": sps.draft_s},
             "policies": {p: {k: statistics.median(x[k] for x in rs) for k in rs[0]}
                          for p, rs in runs.items()}}
         if c == args.overlap_at:
@@ -252,9 +254,10 @@ def main(argv=None):
         prompts = load_prompts(args, vocab, args.requests_per_slot * c)
         base = EngineConfig(num_slots=c, max_len=max_len, gamma=gamma,
                             prefill_buckets=(args.prompt_len,), filters=False)
-        sps = SPSFromReport = report["closed_loop"][c]["sps"]
+        sps = report["closed_loop"][c]["sps"]
         from specjax.scheduling import SPSProfile
-        prof = SPSProfile(tuple(SPSFromReport["buckets"]), tuple(sps["steps_per_s"]))
+        prof = SPSProfile(tuple(sps["buckets"]), tuple(sps["steps_per_s"]),
+                          draft_s=sps["draft_s"])
         for rate in rates:
             report["poisson"][rate] = {}
             for p in pols:
@@ -282,13 +285,15 @@ def write_markdown(report: dict, path: str, argv) -> None:
     for c, block in report["closed_loop"].items():
         lines += [f"## Closed loop, concurrency {c}", "",
                   "| policy | aggregate tok/s | per-user tok/s | τ | mean bucket | TTFT ms | "
-                  "ITL p50 ms | ITL p99 ms | step ms | scheduler µs/step | scheduler cost |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "ITL p50 ms | ITL p99 ms | step ms | drafted | scheduler µs/step | "
+                  "scheduler cost |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for p, r in block["policies"].items():
             lines.append(f"| {p} | {r['aggregate_tok_s']:.1f} | {r['per_user_tok_s']:.1f} | "
                          f"{r['tau']:.2f} | {r['mean_bucket']:.1f} | {r['ttft_ms']:.1f} | "
                          f"{r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | "
-                         f"{r['step_ms']:.1f} | {r['host_us_per_step']:.0f} | "
+                         f"{r['step_ms']:.1f} | {100 * r['drafted_frac']:.0f}% | "
+                         f"{r['host_us_per_step']:.0f} | "
                          f"{100 * r['host_frac']:.2f}% |")
         lines.append("")
     lines += goals_markdown(report)

@@ -178,6 +178,7 @@ class StepStats:
     schedule_s: float  # host time of the scheduling policy + bucket pick (numpy only)
     step_s: float
     draft_wait_s: float = 0.0  # time blocked on the device for the drafts' confidences
+    drafted: bool = True  # False: plain decoding step ("none", or a production budget of 0)
 
 
 class Engine:
@@ -216,6 +217,7 @@ class Engine:
         self._no_draft_rows: Optional[np.ndarray] = None  # bool [S]: rows forced to ℓ = 0
         self.sps: Optional[scheduling.SPSProfile] = None
         self.sps_table = np.ones(self.buckets[-1] + 1)
+        self.sps_table_draft = self.sps_table  # SPS of a step that drafts (no profile: equal)
         self.stats: list[StepStats] = []
         self._sampling_cache = None
 
@@ -411,32 +413,47 @@ class Engine:
             return np.asarray(draft.confidences, np.float64)
         return None
 
-    def _schedule(self, conf_all: Optional[np.ndarray]) -> np.ndarray:
+    def _rows_and_caps(self) -> tuple[np.ndarray, np.ndarray]:
+        """Active slots and their caps on ℓ (a request that needs m more tokens gains nothing
+        from verifying more than m - 1 drafts)."""
+        rows = np.array([i for i, l in enumerate(self.slots) if l is not None], np.int64)
+        cap = np.array([min(self.config.gamma, self.slots[i].request.max_new_tokens
+                            - self.slots[i].generated - 1) for i in rows], np.int64)
+        return rows, np.maximum(cap, 0)
+
+    def _production_budget(self) -> int:
+        """The production policy's draft-token budget for the next verification, from each
+        running request's confidences of two steps earlier (never from the drafts it will
+        admit). 0 means the step does not draft at all (scored without the drafting cost)."""
+        rows, cap = self._rows_and_caps()
+        if not len(rows):
+            return 0
+        stale = np.stack([self._stale_conf(i) for i in rows])
+        return scheduling.budget_search(stale, self.sps_table, cap, self.sps_table_draft)
+
+    def _schedule(self, conf_all: Optional[np.ndarray], budget: Optional[int] = None) -> np.ndarray:
         """ℓ per slot (-1 idle) from the policy; capped so no request overshoots max_new_tokens.
 
         ``conf_all``: float ``[S, γ]`` confidences already on the host (or None).
+        ``budget``: the production policy's budget (from :meth:`_production_budget`).
         """
         cfg = self.config
-        active = np.array([l is not None for l in self.slots])
-        rows = np.flatnonzero(active)
-        # A request that needs m more tokens gains nothing from verifying more than m - 1 drafts.
-        cap = np.array([min(cfg.gamma, self.slots[i].request.max_new_tokens
-                            - self.slots[i].generated - 1) for i in rows])
-        cap = np.maximum(cap, 0)
+        rows, cap = self._rows_and_caps()
         if self._no_draft_rows is not None:
             cap = np.where(self._no_draft_rows[rows], 0, cap)
         conf = None if conf_all is None else conf_all[rows]
         if conf is None:
             conf = np.ones((len(rows), cfg.gamma))
-        stale = None
         if cfg.scheduler.policy == "production":
-            stale = np.stack([self._stale_conf(i) for i in rows]) if len(rows) else conf
-        lengths = scheduling.schedule(cfg.scheduler, conf, self.sps_table,
-                                      stale_confidences=stale, max_len=cap)
-        if cfg.scheduler.policy == "production":
-            for j, i in enumerate(rows):
-                if self._no_draft_rows is None or not self._no_draft_rows[i]:
-                    self.slots[i].conf_history.append(conf[j])
+            if not budget or conf_all is None:  # budget 0: nothing was drafted this step
+                lengths = np.zeros(len(rows), np.int64)
+            else:
+                lengths = scheduling.top_budget_admission(conf, budget, cap)
+                for j, i in enumerate(rows):
+                    if self._no_draft_rows is None or not self._no_draft_rows[i]:
+                        self.slots[i].conf_history.append(conf[j])
+        else:
+            lengths = scheduling.schedule(cfg.scheduler, conf, self.sps_table, max_len=cap)
         out = np.full(cfg.num_slots, -1, np.int32)
         out[rows] = lengths
         return out
@@ -484,9 +501,18 @@ class Engine:
         admitted = self._admit()
         if self.num_active == 0:
             return None
-        if self.config.scheduler.policy == "none":
-            # Plain decoding through the same verification step: no drafting cost at all.
+        policy = self.config.scheduler.policy
+        budget, budget_s = None, 0.0
+        if policy == "production":  # decided before drafting: budget 0 skips the draft step
+            tb = time.perf_counter()
+            budget = self._production_budget()
+            budget_s = time.perf_counter() - tb
+        if policy == "none" or budget == 0:
+            # Plain decoding through the same verification step: no drafting cost at all (a
+            # draft pre-dispatched at the last step is dropped; the drafter state is the one
+            # before it).
             self._pending_draft = (self._no_draft(), self.state.drafter_state)
+            self._no_draft_rows = None
         elif self._pending_draft is None or self.num_active == len(admitted):
             self._pending_draft = self._draft()  # (no earlier row would use the pre-dispatched)
         elif admitted:
@@ -504,12 +530,12 @@ class Engine:
         draft, dstate_after = self._pending_draft
         self._pending_draft = None
         tw = time.perf_counter()
-        conf = self._host_confidences(draft)  # device time (drafting), not scheduler cost
+        conf = None if budget == 0 else self._host_confidences(draft)  # device time (drafting)
         ts = time.perf_counter()
-        num_draft = self._schedule(conf)
+        num_draft = self._schedule(conf, budget)
         n_tokens = int(np.sum(num_draft[num_draft >= 0] + 1))
         bucket = scheduling.pick_bucket(self.buckets, n_tokens)
-        schedule_s = time.perf_counter() - ts
+        schedule_s = time.perf_counter() - ts + budget_s
         sampling = self._sampling()
         keys = self._slot_keys(2)
         self.state = DeviceState(self.state.cache, dstate_after, self.state.anchor)
@@ -517,8 +543,13 @@ class Engine:
             self.graphdef, self.target_state, self.drafter, self.params, self.frozen, self.state,
             draft.tokens, draft.probs, num_draft, keys, sampling, bucket=bucket,
             gamma=self.config.gamma, method=self.config.method)
-        if self.config.overlap and self.config.scheduler.policy != "none":
-            self._pending_draft = self._draft()  # queued behind verification on the device
+        if self.config.overlap and policy != "none":
+            tb = time.perf_counter()
+            # production: pre-dispatch only if the next step (same rows) will want drafts
+            want = policy != "production" or self._production_budget() > 0
+            schedule_s += time.perf_counter() - tb
+            if want:
+                self._pending_draft = self._draft()  # queued behind verification on the device
         tokens = np.asarray(result.tokens)
         accepted = np.asarray(result.num_accepted)
         now = time.perf_counter()
@@ -531,7 +562,8 @@ class Engine:
         stats = StepStats(active=int(np.sum(num_draft >= 0)), bucket=bucket, tokens=n_tokens,
                           drafts_verified=int(np.sum(np.maximum(num_draft, 0))),
                           accepted=int(np.sum(accepted)), schedule_s=schedule_s,
-                          step_s=time.perf_counter() - t0, draft_wait_s=ts - tw)
+                          step_s=time.perf_counter() - t0, draft_wait_s=ts - tw,
+                          drafted=not (policy == "none" or budget == 0))
         self.stats.append(stats)
         return stats
 
@@ -582,16 +614,18 @@ class Engine:
         if profile:
             key = (f"{jax.devices()[0].device_kind}/{self.model_config}/"
                    f"{type(self.drafter).__name__}/S{s}/g{g}/L{self.config.max_len}")
-            self.sps = scheduling.profile_sps(run_bucket, self.buckets, key=key,
-                                              reps=self.config.profile_reps, warmup=0,
-                                              cache_path=self.config.sps_cache)
-            self.sps_table = self.sps.table()
+            self.sps = scheduling.profile_sps(
+                run_bucket, self.buckets, key=key, reps=self.config.profile_reps, warmup=0,
+                cache_path=self.config.sps_cache,
+                run_draft=lambda: jax.block_until_ready(self._draft()))
+            self.sps_table, self.sps_table_draft = self.sps.table(), self.sps.table_with_draft()
 
     def set_sps(self, profile: scheduling.SPSProfile) -> None:
         """Uses a given SPS profile (e.g. a hand-made one in tests)."""
         if list(profile.buckets) != self.buckets:
             raise ValueError(f"profile buckets {profile.buckets} != engine buckets {self.buckets}")
         self.sps, self.sps_table = profile, profile.table()
+        self.sps_table_draft = profile.table_with_draft()
 
 
 @jax.jit

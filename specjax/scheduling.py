@@ -84,10 +84,13 @@ class SPSProfile:
     buckets: tuple[int, ...]
     steps_per_s: tuple[float, ...]
     key: str = ""
+    draft_s: float = 0.0  # seconds of one drafting step (all slots); 0 = free / not measured
 
     def __post_init__(self):
         if len(self.buckets) != len(self.steps_per_s):
             raise ValueError("one SPS value per bucket is required")
+        if not (self.draft_s >= 0 and np.isfinite(self.draft_s)):
+            raise ValueError(f"draft_s must be a finite number ≥ 0, got {self.draft_s}")
         if list(self.buckets) != validate_buckets(self.buckets):
             raise ValueError(f"buckets must be sorted and distinct, got {self.buckets}")
         if any(not s > 0 for s in self.steps_per_s):
@@ -107,26 +110,35 @@ class SPSProfile:
             lo = b + 1
         return table
 
+    def table_with_draft(self) -> np.ndarray:
+        """``float [max_tokens + 1]``: steps/second of a step that drafts *and* verifies B tokens,
+        ``1 / (1 / SPS(B) + draft_s)``."""
+        return 1.0 / (1.0 / self.table() + self.draft_s)
+
     def save(self, path: str) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump({"key": self.key, "buckets": list(self.buckets),
-                       "steps_per_s": list(self.steps_per_s)}, f, indent=1)
+                       "steps_per_s": list(self.steps_per_s), "draft_s": self.draft_s},
+                      f, indent=1)
 
     @classmethod
     def load(cls, path: str) -> "SPSProfile":
         with open(path) as f:
             d = json.load(f)
-        return cls(tuple(d["buckets"]), tuple(d["steps_per_s"]), d.get("key", ""))
+        return cls(tuple(d["buckets"]), tuple(d["steps_per_s"]), d.get("key", ""),
+                   float(d.get("draft_s", 0.0)))
 
 
 def profile_sps(run_bucket: Callable[[int], None], buckets: Sequence[int], *, key: str = "",
                 reps: int = 5, warmup: int = 1, cache_path: Optional[str] = None,
-                clock: Callable[[], float] = time.perf_counter) -> SPSProfile:
+                clock: Callable[[], float] = time.perf_counter,
+                run_draft: Optional[Callable[[], None]] = None) -> SPSProfile:
     """Measures SPS for each bucket, or loads it from ``cache_path`` when saved with the same key.
 
     Args:
       run_bucket: runs one verification step of the given bucket size and blocks until done.
+      run_draft: optional: runs one drafting step and blocks; its median time is ``draft_s``.
       buckets: token buckets.
       key: identifies device and model; a saved profile with another key is re-measured.
       reps: timed repetitions per bucket (the median is used).
@@ -147,7 +159,17 @@ def profile_sps(run_bucket: Callable[[int], None], buckets: Sequence[int], *, ke
             run_bucket(b)
             times.append(clock() - t0)
         sps.append(1.0 / max(statistics.median(times), 1e-12))
-    profile = SPSProfile(tuple(buckets), tuple(sps), key)
+    draft_s = 0.0
+    if run_draft is not None:
+        for _ in range(warmup):
+            run_draft()
+        times = []
+        for _ in range(reps):
+            t0 = clock()
+            run_draft()
+            times.append(clock() - t0)
+        draft_s = max(statistics.median(times), 0.0)
+    profile = SPSProfile(tuple(buckets), tuple(sps), key, draft_s)
     if cache_path:
         profile.save(cache_path)
     return profile
@@ -234,14 +256,35 @@ def expected_throughput(confidences, lengths, sps_table) -> float:
     return tau * float(np.asarray(sps_table)[a.shape[0] + int(lengths.sum())])
 
 
-def budget_search(confidences, sps_table, max_len: Optional[np.ndarray] = None) -> int:
+def budget_search(confidences, sps_table, max_len: Optional[np.ndarray] = None,
+                  sps_table_draft=None) -> int:
     """Number of draft tokens to verify: full (no early stop) search of Θ along the greedy path.
 
     Used with *stale* confidences (two steps old) by :func:`production_schedule`; searching the
     whole path steps over the cliffs of a jagged SPS curve.
+
+    Args:
+      sps_table_draft: optional float ``[B_max + 1]``: SPS of a step that also drafts
+        (:meth:`SPSProfile.table_with_draft`). When given, a budget > 0 is scored with it and
+        budget 0 with ``sps_table``: the budget is fixed before drafting, so budget 0 means the
+        step does not draft at all and does not pay for it.
     """
-    lengths = prefix_schedule(confidences, sps_table, early_stop=False, max_len=max_len)
-    return int(lengths.sum())
+    a = prefix_survival(confidences)
+    sps = np.asarray(sps_table, np.float64)
+    sps_d = sps if sps_table_draft is None else np.asarray(sps_table_draft, np.float64)
+    if sps_d.shape != sps.shape:
+        raise ValueError(f"sps_table_draft shape {sps_d.shape} != sps_table shape {sps.shape}")
+    num_rows, b_max = a.shape[0], sps.shape[0] - 1
+    if num_rows > b_max:
+        raise ValueError(f"{num_rows} requests do not fit the largest bucket ({b_max} tokens)")
+    _, _, vals = _greedy_order(a, max_len)
+    n_free = min(len(vals), b_max - num_rows)
+    if n_free == 0:
+        return 0
+    tau = num_rows + np.cumsum(vals[:n_free])
+    theta = tau * sps_d[num_rows + 1:num_rows + 1 + n_free]
+    best = int(np.argmax(theta))
+    return best + 1 if theta[best] > num_rows * sps[num_rows] else 0
 
 
 def top_budget_admission(confidences, budget: int,
@@ -261,7 +304,7 @@ def top_budget_admission(confidences, budget: int,
 
 
 def production_schedule(live_confidences, stale_confidences, sps_table,
-                        max_len: Optional[np.ndarray] = None) -> np.ndarray:
+                        max_len: Optional[np.ndarray] = None, sps_table_draft=None) -> np.ndarray:
     """DSpark §5.2: budget from stale confidences (full search), top-budget live admission.
 
     Args:
@@ -272,7 +315,7 @@ def production_schedule(live_confidences, stale_confidences, sps_table,
     Returns:
       int ``[R]`` lengths; ``Σ ℓ`` never exceeds the budget, ``R + Σ ℓ ≤ B_max``.
     """
-    budget = budget_search(stale_confidences, sps_table, max_len)
+    budget = budget_search(stale_confidences, sps_table, max_len, sps_table_draft)
     return top_budget_admission(live_confidences, budget, max_len)
 
 
@@ -321,7 +364,7 @@ class SchedulerConfig:
 
 def schedule(config: SchedulerConfig, confidences: np.ndarray, sps_table: np.ndarray, *,
              stale_confidences: Optional[np.ndarray] = None,
-             max_len: Optional[np.ndarray] = None) -> np.ndarray:
+             max_len: Optional[np.ndarray] = None, sps_table_draft=None) -> np.ndarray:
     """Dispatches to the configured policy. Returns int ``[R]`` lengths (≤ γ, ≤ max_len)."""
     confidences = np.asarray(confidences, np.float64)
     num_rows, gamma = confidences.shape
@@ -339,4 +382,5 @@ def schedule(config: SchedulerConfig, confidences: np.ndarray, sps_table: np.nda
     if config.policy == "retrospective":
         return prefix_schedule(confidences, sps_table, early_stop=False, max_len=cap)
     stale = confidences if stale_confidences is None else stale_confidences
-    return production_schedule(confidences, stale, sps_table, max_len=cap)
+    return production_schedule(confidences, stale, sps_table, max_len=cap,
+                               sps_table_draft=sps_table_draft)

@@ -136,13 +136,16 @@ def _chi2(counts, probs):
     return float(np.sum((c - e) ** 2 / e)), len(c) - 1
 
 
-@pytest.mark.parametrize("policy", ["dspark", "production"])
-def test_temperature1_engine_with_scheduler_is_lossless(target, policy):
+@pytest.mark.parametrize("policy,draft_s", [("dspark", 0.0), ("production", 0.0),
+                                            ("production", 0.12)])
+def test_temperature1_engine_with_scheduler_is_lossless(target, policy, draft_s):
     """Many seeds of one prompt share 4 slots and compete for the verification budget.
 
     Buckets 4 / 8 / 16 with SPS 1.0 / 0.9 / 0.5: a full batch of 4 anchors can add at most 4 of
     its 12 drafts (the cliff to 16 never pays), so requests' drafts are admitted by rank against
-    each other, and crossing into bucket 8 needs a confident first draft.
+    each other, and crossing into bucket 8 needs a confident first draft. With a drafting cost
+    (``draft_s``) the production budget is sometimes 0 and those steps skip drafting entirely:
+    whether a step drafts at all is decided from stale confidences too.
     """
     d, p, f = _drafter("dspark", target)
     cfg = EngineConfig(num_slots=4, max_len=24, gamma=3, prefill_buckets=(8,),
@@ -150,7 +153,7 @@ def test_temperature1_engine_with_scheduler_is_lossless(target, policy):
     engine = Engine(target, d, p, f, cfg)
     engine.warmup(profile=False)
     assert engine.buckets == [4, 8, 16]
-    engine.set_sps(SPSProfile((4, 8, 16), (1.0, 0.9, 0.5)))
+    engine.set_sps(SPSProfile((4, 8, 16), (1.0, 0.9, 0.5), draft_s=draft_s))
     prompt = [3, 7, 1]
     n = 3000
     results = engine.generate([Request(prompt=prompt, max_new_tokens=4, temperature=1.0, seed=s)
@@ -158,6 +161,9 @@ def test_temperature1_engine_with_scheduler_is_lossless(target, policy):
     toks = np.array([r.tokens[:3] for r in results])
     verified = np.array([r.accepted for r in results])
     assert verified.sum() > 0.2 * n  # drafts were really verified and accepted
+    if draft_s:  # both kinds of steps really happened
+        drafted = [s.drafted for s in engine.stats]
+        assert 0.05 * len(drafted) < sum(drafted) < 0.95 * len(drafted), np.mean(drafted)
     joint12, marg3 = _exact_first_tokens(target, prompt)
     c12 = np.zeros((V, V))
     np.add.at(c12, (toks[:, 0], toks[:, 1]), 1)

@@ -40,6 +40,14 @@ def test_sps_profile_step_table_and_cache(tmp_path):
     assert len(calls) == 10
     step = S.SPSProfile((2, 4), (10.0, 5.0)).table()
     np.testing.assert_array_equal(step, [10, 10, 10, 5, 5])
+    # The drafting step is timed too (0.5 "s") and saved / loaded with the profile.
+    drafts = []
+    with_draft = S.profile_sps(run_bucket, [4, 8], key="d", reps=3, warmup=1,
+                               cache_path=str(tmp_path / "sps_d.json"),
+                               clock=lambda: next(fake_time), run_draft=lambda: drafts.append(1))
+    assert with_draft.draft_s == 0.5 and len(drafts) == 4
+    np.testing.assert_allclose(with_draft.table_with_draft(), 1 / (0.5 + 0.5))
+    assert S.SPSProfile.load(str(tmp_path / "sps_d.json")) == with_draft
 
 
 def _brute_force_best(conf, sps):
@@ -102,6 +110,25 @@ def test_production_form_never_exceeds_budget_and_admits_by_live_rank():
             assert a[admitted].min() >= a[~admitted & (a > 0)].max()
         # The budget depends on stale confidences only: changing live ones leaves Σℓ ≤ budget.
         assert S.production_schedule(rng.uniform(0, 1, size=(r, g)), stale, sps).sum() <= budget
+
+
+def test_budget_search_prices_drafting():
+    """Budget 0 means no drafting: it is scored without the drafting cost, budgets > 0 with it."""
+    conf = np.array([[0.8, 0.5], [0.6, 0.5]])  # a = [[.8, .4], [.6, .3]]
+    prof = S.SPSProfile((2, 4, 6), (10.0, 8.0, 5.0))
+    # Free drafting: Θ(0) = 2·10 = 20; Θ(1) = 2.8·8 = 22.4; Θ(2) = 3.4·8 = 27.2 (best);
+    # Θ(3) = 3.8·5 = 19; Θ(4) = 4.1·5 = 20.5.
+    assert S.budget_search(conf, prof.table()) == 2
+    # Drafting costs 0.05 s: with-draft SPS = 1/(1/8 + .05) = 5.714 (B ≤ 4), 1/(.2 + .05) = 4
+    # (B ≤ 6): Θ(2) = 3.4·5.714 = 19.43 < Θ(0) = 20 -> do not draft.
+    costly = S.SPSProfile((2, 4, 6), (10.0, 8.0, 5.0), draft_s=0.05)
+    np.testing.assert_allclose(costly.table_with_draft()[3:5], 1 / (1 / 8 + 0.05))
+    assert S.budget_search(conf, costly.table(), sps_table_draft=costly.table_with_draft()) == 0
+    # 0.03 s: Θ(2) = 3.4/(0.125 + 0.03) = 21.94 > 20 -> budget 2 again.
+    cheap = S.SPSProfile((2, 4, 6), (10.0, 8.0, 5.0), draft_s=0.03)
+    assert S.budget_search(conf, cheap.table(), sps_table_draft=cheap.table_with_draft()) == 2
+    with pytest.raises(ValueError, match="draft_s"):
+        S.SPSProfile((2,), (1.0,), draft_s=-1.0)
 
 
 def test_simple_policies():
