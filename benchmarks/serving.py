@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import jax
@@ -162,6 +163,17 @@ def poisson(target, drafter, params, frozen, cfg, prompts, max_new, temperature,
     return out
 
 
+def _machine() -> str:
+    cpu = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
+        load = open("/proc/loadavg").read().split()[0]
+    except OSError:
+        load = "?"
+    return f"{cpu}, {os.cpu_count()} cpus, 1-min load {load} at start"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--drafter-workdir")
@@ -186,9 +198,21 @@ def main(argv=None):
                          "the closed loop at the highest concurrency, e.g. 0.5,0.9 (rate = load × "
                          "aggregate tok/s of 'none' / its mean tokens per request)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--render", metavar="JSON",
+                    help="only re-render the markdown and the plot from a saved results JSON")
     ap.add_argument("--out", default="benchmarks/results/serving.json")
     ap.add_argument("--md", default="docs/SERVING_RESULTS.md")
     args = ap.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            report = json.load(f)
+        report["goals"] = goals(report)
+        with open(args.render, "w") as f:
+            json.dump(report, f, indent=1)
+        write_markdown(report, args.md, report.get("argv"))
+        plot_pareto(report, os.path.splitext(args.render)[0] + "_pareto.png")
+        print(f"re-rendered {args.md} from {args.render}")
+        return report
     if args.quick:
         args.preset, args.concurrency, args.reps = "tiny", "1,4", 1
         args.max_new_tokens, args.requests_per_slot = 16, 2
@@ -199,9 +223,9 @@ def main(argv=None):
     conc = [int(c) for c in args.concurrency.split(",")]
     stop = tuple(int(t) for t in args.stop_tokens.split(",") if t.strip())
     pols = args.policies.split(",")
-    report = {"machine": f"{platform.machine()} {os.cpu_count()} cpus", "backend":
+    report = {"machine": _machine(), "backend":
               jax.default_backend(), "gamma": gamma, "args": vars(args), "closed_loop": {},
-              "overlap": {}, "poisson": {}}
+              "overlap": {}, "poisson": {}, "argv": list(argv) if argv is not None else sys.argv[1:]}
     max_len = args.prompt_len + args.max_new_tokens + gamma + 2
     for c in conc:
         prompts = load_prompts(args, vocab, args.requests_per_slot * c)
@@ -270,7 +294,7 @@ def main(argv=None):
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
-    write_markdown(report, args.md, argv)
+    write_markdown(report, args.md, report["argv"])
     plot_pareto(report, os.path.splitext(args.out)[0] + "_pareto.png")
     print(f"wrote {args.out}, {args.md}")
     return report
@@ -315,53 +339,56 @@ def write_markdown(report: dict, path: str, argv) -> None:
         f.write("\n".join(lines))
 
 
-def goals(report: dict) -> dict:
-    """The issue's goals, computed from the closed-loop medians (no thresholds applied here).
+def goals(report: dict, policies=("dspark", "production")) -> dict:
+    """The issue's goals per confidence policy, from the closed-loop medians (no thresholds here).
 
-    * ``vs_best_fixed[C]``: dspark aggregate / the best fixed-K (fixed*, mtp1) aggregate at C.
-    * ``vs_none_at_max``: dspark aggregate / no-speculation aggregate at the highest C.
-    * ``per_user_vs_mtp1``: at each dspark point whose aggregate lies inside MTP-1's range, dspark
-      per-user speed / MTP-1's per-user speed at the same aggregate (linear interpolation along
-      MTP-1's curve, ordered by aggregate).
+    * ``vs_best_fixed[C]``: the policy's aggregate / the best fixed-K (fixed*, mtp1) aggregate.
+    * ``vs_none_at_max``: its aggregate / no-speculation aggregate at the highest C.
+    * ``per_user_vs_mtp1[C]``: at each of its points whose aggregate lies inside MTP-1's range,
+      its per-user speed / MTP-1's per-user speed at the same aggregate (linear interpolation
+      along MTP-1's curve, ordered by aggregate).
     """
     cl = report["closed_loop"]
-    out = {"vs_best_fixed": {}, "vs_none_at_max": None, "per_user_vs_mtp1": {}}
-    for c, block in cl.items():
-        pol = block["policies"]
-        fixed = {p: r["aggregate_tok_s"] for p, r in pol.items()
-                 if p.startswith("fixed") or p == "mtp1"}
-        if "dspark" in pol and fixed:
-            best = max(fixed, key=fixed.get)
-            out["vs_best_fixed"][c] = {"ratio": pol["dspark"]["aggregate_tok_s"] / fixed[best],
-                                       "best_fixed": best}
-    if cl:
+    out = {}
+    for pol in policies:
+        if not cl or pol not in next(iter(cl.values()))["policies"]:
+            continue
+        g = {"vs_best_fixed": {}, "vs_none_at_max": None, "per_user_vs_mtp1": {}}
+        for c, block in cl.items():
+            pols = block["policies"]
+            fixed = {p: r["aggregate_tok_s"] for p, r in pols.items()
+                     if p.startswith("fixed") or p == "mtp1"}
+            if fixed:
+                best = max(fixed, key=fixed.get)
+                g["vs_best_fixed"][c] = {"ratio": pols[pol]["aggregate_tok_s"] / fixed[best],
+                                         "best_fixed": best}
         top = cl[max(cl, key=int)]["policies"]
-        if "dspark" in top and "none" in top:
-            out["vs_none_at_max"] = top["dspark"]["aggregate_tok_s"] / top["none"]["aggregate_tok_s"]
-    blocks = list(cl.values())
-    if blocks and "dspark" in blocks[0]["policies"] and "mtp1" in blocks[0]["policies"]:
-        m = sorted((b["policies"]["mtp1"]["aggregate_tok_s"], b["policies"]["mtp1"]["per_user_tok_s"])
-                   for b in blocks)
-        xs, ys = [a for a, _ in m], [u for _, u in m]
-        for c, b in cl.items():
-            agg, user = (b["policies"]["dspark"][k] for k in ("aggregate_tok_s", "per_user_tok_s"))
-            if xs[0] <= agg <= xs[-1]:
-                out["per_user_vs_mtp1"][c] = user / float(np.interp(agg, xs, ys))
+        if "none" in top:
+            g["vs_none_at_max"] = top[pol]["aggregate_tok_s"] / top["none"]["aggregate_tok_s"]
+        if "mtp1" in next(iter(cl.values()))["policies"]:
+            m = sorted((b["policies"]["mtp1"]["aggregate_tok_s"],
+                        b["policies"]["mtp1"]["per_user_tok_s"]) for b in cl.values())
+            xs, ys = [a for a, _ in m], [u for _, u in m]
+            for c, b in cl.items():
+                agg, user = (b["policies"][pol][k] for k in ("aggregate_tok_s", "per_user_tok_s"))
+                if xs[0] <= agg <= xs[-1]:
+                    g["per_user_vs_mtp1"][c] = user / float(np.interp(agg, xs, ys))
+        out[pol] = g
     return out
 
 
 def goals_markdown(report: dict) -> list[str]:
-    g = goals(report)
     lines = ["## Goals (computed from the medians above)", ""]
-    if g["vs_best_fixed"]:
-        lines.append("DSpark aggregate / best fixed-K aggregate per concurrency: " + ", ".join(
-            f"C={c}: {v['ratio']:.3f} ({v['best_fixed']})" for c, v in g["vs_best_fixed"].items()))
-    if g["vs_none_at_max"] is not None:
-        lines.append(f"\nDSpark / no speculation aggregate at the highest concurrency: "
-                     f"{g['vs_none_at_max']:.3f}")
-    if g["per_user_vs_mtp1"]:
-        lines.append("\nDSpark per-user speed / MTP-1's at the same aggregate throughput: " + ", ".join(
-            f"C={c}: {v:.2f}" for c, v in g["per_user_vs_mtp1"].items()))
+    for pol, g in goals(report).items():
+        lines.append(f"**{pol}**: aggregate / best fixed-K aggregate: " + ", ".join(
+            f"C={c}: {v['ratio']:.2f} ({v['best_fixed']})" for c, v in g["vs_best_fixed"].items()))
+        if g["vs_none_at_max"] is not None:
+            lines.append(f"; aggregate / no speculation at the highest concurrency: "
+                         f"{g['vs_none_at_max']:.2f}")
+        if g["per_user_vs_mtp1"]:
+            lines.append("; per-user speed / MTP-1's at the same aggregate: " + ", ".join(
+                f"C={c}: {v:.2f}" for c, v in g["per_user_vs_mtp1"].items()))
+        lines.append("\n")
     return lines + [""]
 
 

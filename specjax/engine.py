@@ -215,6 +215,8 @@ class Engine:
         self._key = jax.random.key(config.seed)
         self._empty_draft = None
         self._no_draft_rows: Optional[np.ndarray] = None  # bool [S]: rows forced to ℓ = 0
+        self._conf_prior = np.full(config.gamma, 0.5)  # production: confidences of new requests
+        self._steps_without_draft = 0
         self.sps: Optional[scheduling.SPSProfile] = None
         self.sps_table = np.ones(self.buckets[-1] + 1)
         self.sps_table_draft = self.sps_table  # SPS of a step that drafts (no profile: equal)
@@ -424,12 +426,17 @@ class Engine:
     def _production_budget(self) -> int:
         """The production policy's draft-token budget for the next verification, from each
         running request's confidences of two steps earlier (never from the drafts it will
-        admit). 0 means the step does not draft at all (scored without the drafting cost)."""
+        admit). 0 means the step does not draft at all (scored without the drafting cost);
+        every ``explore_every``-th step without drafting drafts anyway (a step count only)."""
         rows, cap = self._rows_and_caps()
         if not len(rows):
             return 0
         stale = np.stack([self._stale_conf(i) for i in rows])
-        return scheduling.budget_search(stale, self.sps_table, cap, self.sps_table_draft)
+        budget = scheduling.budget_search(stale, self.sps_table, cap, self.sps_table_draft)
+        every = self.config.scheduler.explore_every
+        if budget == 0 and every and self._steps_without_draft + 1 >= every:
+            budget = scheduling.budget_search(stale, self.sps_table, cap)
+        return budget
 
     def _schedule(self, conf_all: Optional[np.ndarray], budget: Optional[int] = None) -> np.ndarray:
         """ℓ per slot (-1 idle) from the policy; capped so no request overshoots max_new_tokens.
@@ -449,9 +456,12 @@ class Engine:
                 lengths = np.zeros(len(rows), np.int64)
             else:
                 lengths = scheduling.top_budget_admission(conf, budget, cap)
-                for j, i in enumerate(rows):
-                    if self._no_draft_rows is None or not self._no_draft_rows[i]:
-                        self.slots[i].conf_history.append(conf[j])
+                fresh = [j for j, i in enumerate(rows)
+                         if self._no_draft_rows is None or not self._no_draft_rows[i]]
+                for j in fresh:
+                    self.slots[rows[j]].conf_history.append(conf[j])
+                if fresh:  # exponential moving average over steps (prior for new requests)
+                    self._conf_prior = 0.9 * self._conf_prior + 0.1 * conf[fresh].mean(axis=0)
         else:
             lengths = scheduling.schedule(cfg.scheduler, conf, self.sps_table, max_len=cap)
         out = np.full(cfg.num_slots, -1, np.int32)
@@ -459,11 +469,12 @@ class Engine:
         return out
 
     def _stale_conf(self, slot: int) -> np.ndarray:
-        """Confidences this request's drafter produced two steps ago (neutral 0.5 before that)."""
+        """Confidences this request's drafter produced two steps ago; before it has two, the
+        running mean of all requests' past confidences (0.5 before any)."""
         hist = self.slots[slot].conf_history
         if len(hist) >= 2:
             return hist[-2]
-        return np.full(self.config.gamma, 0.5)
+        return self._conf_prior
 
     def step(self) -> Optional[StepStats]:
         """Admits, drafts, schedules, verifies and emits once. Returns the step's stats.
@@ -495,6 +506,7 @@ class Engine:
             anchor=jnp.zeros((s,), jnp.int32)), self._device)
         self._pending_draft = None
         self._no_draft_rows = None
+        self._next_budget = None  # production: (budget, active rows) searched at pre-dispatch
 
     def _step(self) -> Optional[StepStats]:
         t0 = time.perf_counter()
@@ -505,7 +517,12 @@ class Engine:
         budget, budget_s = None, 0.0
         if policy == "production":  # decided before drafting: budget 0 skips the draft step
             tb = time.perf_counter()
-            budget = self._production_budget()
+            rows_now = tuple(i for i, l in enumerate(self.slots) if l is not None)
+            if self._next_budget is not None and not admitted and self._next_budget[1] == rows_now:
+                budget = self._next_budget[0]  # searched at the last step's pre-dispatch
+            else:
+                budget = self._production_budget()
+            self._next_budget = None
             budget_s = time.perf_counter() - tb
         if policy == "none" or budget == 0:
             # Plain decoding through the same verification step: no drafting cost at all (a
@@ -543,10 +560,16 @@ class Engine:
             self.graphdef, self.target_state, self.drafter, self.params, self.frozen, self.state,
             draft.tokens, draft.probs, num_draft, keys, sampling, bucket=bucket,
             gamma=self.config.gamma, method=self.config.method)
+        drafted = not (policy == "none" or budget == 0)
+        self._steps_without_draft = 0 if drafted else self._steps_without_draft + 1
         if self.config.overlap and policy != "none":
             tb = time.perf_counter()
             # production: pre-dispatch only if the next step (same rows) will want drafts
-            want = policy != "production" or self._production_budget() > 0
+            want = True
+            if policy == "production":
+                nb = self._production_budget()
+                self._next_budget = (nb, tuple(i for i, l in enumerate(self.slots) if l is not None))
+                want = nb > 0
             schedule_s += time.perf_counter() - tb
             if want:
                 self._pending_draft = self._draft()  # queued behind verification on the device
@@ -563,7 +586,7 @@ class Engine:
                           drafts_verified=int(np.sum(np.maximum(num_draft, 0))),
                           accepted=int(np.sum(accepted)), schedule_s=schedule_s,
                           step_s=time.perf_counter() - t0, draft_wait_s=ts - tw,
-                          drafted=not (policy == "none" or budget == 0))
+                          drafted=drafted)
         self.stats.append(stats)
         return stats
 

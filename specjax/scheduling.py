@@ -346,11 +346,16 @@ class SchedulerConfig:
     """Which policy the engine uses and its parameters.
 
     policy: one of POLICIES. k: draft length for "fixed". threshold: for "threshold".
+    explore_every: "production" only: when its budget search says not to draft, still draft at
+      least once every this many steps (budget searched without the drafting cost), so that the
+      stale confidences the search runs on stay fresh and it can turn drafting back on when the
+      load falls. A fixed step count: it never looks at a draft. 0 disables.
     """
 
     policy: str = "dspark"
     k: int = 4
     threshold: float = 0.5
+    explore_every: int = 16
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -360,6 +365,9 @@ class SchedulerConfig:
             raise ValueError(f"SchedulerConfig.k must be ≥ 0, got {self.k}")
         if not 0 <= self.threshold <= 1:
             raise ValueError(f"SchedulerConfig.threshold must be in [0, 1], got {self.threshold}")
+        if self.explore_every < 0:
+            raise ValueError(f"SchedulerConfig.explore_every must be ≥ 0, "
+                             f"got {self.explore_every}")
 
 
 def schedule(config: SchedulerConfig, confidences: np.ndarray, sps_table: np.ndarray, *,
