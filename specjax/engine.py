@@ -179,6 +179,9 @@ class StepStats:
     step_s: float
     draft_wait_s: float = 0.0  # time blocked on the device for the drafts' confidences
     drafted: bool = True  # False: plain decoding step ("none", or a production budget of 0)
+    # scheduler host work done while the device verifies (overlap: the next production budget);
+    # off the critical path on an accelerator, competing for the same cores on a CPU backend
+    schedule_overlap_s: float = 0.0
 
 
 class Engine:
@@ -216,6 +219,7 @@ class Engine:
         self._empty_draft = None
         self._no_draft_rows: Optional[np.ndarray] = None  # bool [S]: rows forced to ℓ = 0
         self._conf_prior = np.full(config.gamma, 0.5)  # production: confidences of new requests
+        self._conf_prior_seen = False
         self._steps_without_draft = 0
         self.sps: Optional[scheduling.SPSProfile] = None
         self.sps_table = np.ones(self.buckets[-1] + 1)
@@ -460,8 +464,10 @@ class Engine:
                          if self._no_draft_rows is None or not self._no_draft_rows[i]]
                 for j in fresh:
                     self.slots[rows[j]].conf_history.append(conf[j])
-                if fresh:  # exponential moving average over steps (prior for new requests)
-                    self._conf_prior = 0.9 * self._conf_prior + 0.1 * conf[fresh].mean(axis=0)
+                if fresh:  # moving average over steps (the first one replaces the 0.5 guess)
+                    w = 0.1 if self._conf_prior_seen else 1.0
+                    self._conf_prior = (1 - w) * self._conf_prior + w * conf[fresh].mean(axis=0)
+                    self._conf_prior_seen = True
         else:
             lengths = scheduling.schedule(cfg.scheduler, conf, self.sps_table, max_len=cap)
         out = np.full(cfg.num_slots, -1, np.int32)
@@ -506,7 +512,7 @@ class Engine:
             anchor=jnp.zeros((s,), jnp.int32)), self._device)
         self._pending_draft = None
         self._no_draft_rows = None
-        self._next_budget = None  # production: (budget, active rows) searched at pre-dispatch
+        self._next_budget = None  # production: budget searched at the last pre-dispatch
 
     def _step(self) -> Optional[StepStats]:
         t0 = time.perf_counter()
@@ -517,9 +523,10 @@ class Engine:
         budget, budget_s = None, 0.0
         if policy == "production":  # decided before drafting: budget 0 skips the draft step
             tb = time.perf_counter()
-            rows_now = tuple(i for i, l in enumerate(self.slots) if l is not None)
-            if self._next_budget is not None and not admitted and self._next_budget[1] == rows_now:
-                budget = self._next_budget[0]  # searched at the last step's pre-dispatch
+            if self._next_budget is not None and not admitted:
+                # Searched during the last step's device work (pre-dispatch) over these rows
+                # and any that have since finished: still a budget fixed before these drafts.
+                budget = self._next_budget
             else:
                 budget = self._production_budget()
             self._next_budget = None
@@ -562,15 +569,15 @@ class Engine:
             gamma=self.config.gamma, method=self.config.method)
         drafted = not (policy == "none" or budget == 0)
         self._steps_without_draft = 0 if drafted else self._steps_without_draft + 1
+        overlap_s = 0.0
         if self.config.overlap and policy != "none":
             tb = time.perf_counter()
             # production: pre-dispatch only if the next step (same rows) will want drafts
             want = True
             if policy == "production":
-                nb = self._production_budget()
-                self._next_budget = (nb, tuple(i for i, l in enumerate(self.slots) if l is not None))
-                want = nb > 0
-            schedule_s += time.perf_counter() - tb
+                self._next_budget = self._production_budget()
+                want = self._next_budget > 0
+            overlap_s = time.perf_counter() - tb  # host work while the device verifies
             if want:
                 self._pending_draft = self._draft()  # queued behind verification on the device
         tokens = np.asarray(result.tokens)
@@ -586,7 +593,7 @@ class Engine:
                           drafts_verified=int(np.sum(np.maximum(num_draft, 0))),
                           accepted=int(np.sum(accepted)), schedule_s=schedule_s,
                           step_s=time.perf_counter() - t0, draft_wait_s=ts - tw,
-                          drafted=drafted)
+                          drafted=drafted, schedule_overlap_s=overlap_s)
         self.stats.append(stats)
         return stats
 

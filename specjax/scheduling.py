@@ -185,7 +185,7 @@ def prefix_survival(confidences: np.ndarray) -> np.ndarray:
     c = np.asarray(confidences, np.float64)
     if c.ndim != 2:
         raise ValueError(f"confidences must be [R, γ], got shape {c.shape}")
-    if np.any(~np.isfinite(c)) or np.any(c < 0) or np.any(c > 1):
+    if not ((c >= 0) & (c <= 1)).all():  # one pass; NaN and ±inf fail it too
         raise ValueError("confidences must be finite probabilities in [0, 1]")
     return np.cumprod(c, axis=1)
 

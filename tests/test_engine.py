@@ -163,7 +163,7 @@ def test_temperature1_engine_with_scheduler_is_lossless(target, policy, draft_s)
     assert verified.sum() > 0.2 * n  # drafts were really verified and accepted
     if draft_s:  # both kinds of steps really happened
         drafted = [s.drafted for s in engine.stats]
-        assert 0.05 * len(drafted) < sum(drafted) < 0.95 * len(drafted), np.mean(drafted)
+        assert 0 < sum(drafted) < len(drafted), np.mean(drafted)
         # never more than explore_every - 1 steps in a row without drafting
         gaps = np.diff(np.flatnonzero(drafted))
         assert gaps.max() <= cfg.scheduler.explore_every, gaps.max()
