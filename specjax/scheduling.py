@@ -149,26 +149,19 @@ def profile_sps(run_bucket: Callable[[int], None], buckets: Sequence[int], *, ke
         saved = SPSProfile.load(cache_path)
         if saved.key == key and list(saved.buckets) == buckets:
             return saved
-    sps = []
-    for b in buckets:
+
+    def median_seconds(run: Callable[[], None]) -> float:
         for _ in range(warmup):
-            run_bucket(b)
+            run()
         times = []
         for _ in range(reps):
             t0 = clock()
-            run_bucket(b)
+            run()
             times.append(clock() - t0)
-        sps.append(1.0 / max(statistics.median(times), 1e-12))
-    draft_s = 0.0
-    if run_draft is not None:
-        for _ in range(warmup):
-            run_draft()
-        times = []
-        for _ in range(reps):
-            t0 = clock()
-            run_draft()
-            times.append(clock() - t0)
-        draft_s = max(statistics.median(times), 0.0)
+        return statistics.median(times)
+
+    sps = [1.0 / max(median_seconds(lambda: run_bucket(b)), 1e-12) for b in buckets]
+    draft_s = 0.0 if run_draft is None else max(median_seconds(run_draft), 0.0)
     profile = SPSProfile(tuple(buckets), tuple(sps), key, draft_s)
     if cache_path:
         profile.save(cache_path)
