@@ -531,12 +531,12 @@ class Engine:
                 budget = self._production_budget()
             self._next_budget = None
             budget_s = time.perf_counter() - tb
-        if policy == "none" or budget == 0:
+        drafted = not (policy == "none" or budget == 0)
+        if not drafted:
             # Plain decoding through the same verification step: no drafting cost at all (a
             # draft pre-dispatched at the last step is dropped; the drafter state is the one
             # before it).
             self._pending_draft = (self._no_draft(), self.state.drafter_state)
-            self._no_draft_rows = None
         elif self._pending_draft is None or self.num_active == len(admitted):
             self._pending_draft = self._draft()  # (no earlier row would use the pre-dispatched)
         elif admitted:
@@ -554,7 +554,7 @@ class Engine:
         draft, dstate_after = self._pending_draft
         self._pending_draft = None
         tw = time.perf_counter()
-        conf = None if budget == 0 else self._host_confidences(draft)  # device time (drafting)
+        conf = self._host_confidences(draft) if drafted else None  # device time (drafting)
         ts = time.perf_counter()
         num_draft = self._schedule(conf, budget)
         n_tokens = int(np.sum(num_draft[num_draft >= 0] + 1))
@@ -567,7 +567,6 @@ class Engine:
             self.graphdef, self.target_state, self.drafter, self.params, self.frozen, self.state,
             draft.tokens, draft.probs, num_draft, keys, sampling, bucket=bucket,
             gamma=self.config.gamma, method=self.config.method)
-        drafted = not (policy == "none" or budget == 0)
         self._steps_without_draft = 0 if drafted else self._steps_without_draft + 1
         overlap_s = 0.0
         if self.config.overlap and policy != "none":
