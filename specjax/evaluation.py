@@ -483,55 +483,37 @@ def results_markdown(results: Mapping[str, Mapping[str, Mapping[str, dict]]],
     ``cells`` are ``"rule@temperature"`` keys. One table of τ (measured, ± s.e., and predicted),
     one of acceptance rates and α₁, one of entropy slopes.
     """
+    head = ["| drafter | rule@T | " + " | ".join(domains) + " |",
+            "|" + "---|" * (len(domains) + 2)]
     lines = []
-    lines.append("#### τ = mean emitted tokens per step (bonus included): measured ± s.e. "
-                 "[predicted 1 + Σ_j Π_{i≤j} α_i]\n")
-    head = "| drafter | rule@T | " + " | ".join(domains) + " |"
-    lines += [head, "|" + "---|" * (len(domains) + 2)]
-    for name, by_cell in results.items():
-        for cell in cells:
-            if cell not in by_cell:
-                continue
-            row = [name, cell]
-            for d in domains:
-                m = by_cell[cell].get(d)
-                row.append("—" if m is None else
-                           f"{_fmt(m['tau'], '.2f')} ± {_fmt(m['tau_se'], '.2f')} "
-                           f"[{_fmt(m['tau_pred'], '.2f')}]")
-            lines.append("| " + " | ".join(row) + " |")
-    lines.append("\n#### acceptance rate = accepted / γ (± s.e.); per-position acceptance α_k\n")
-    lines += [head, "|" + "---|" * (len(domains) + 2)]
-    for name, by_cell in results.items():
-        for cell in cells:
-            if cell not in by_cell:
-                continue
-            row = [name, cell]
-            for d in domains:
-                m = by_cell[cell].get(d)
-                if m is None:
-                    row.append("—")
+
+    def table(title: str, cell_text) -> None:
+        """One row per (drafter, cell); ``cell_text(summary)`` fills a domain's column."""
+        lines.append(title)
+        lines.extend(head)
+        for name, by_cell in results.items():
+            for cell in cells:
+                if cell not in by_cell:
                     continue
-                alphas = "/".join(_fmt(v, ".2f") for v in m["acceptance"][:8])
-                row.append(f"{_fmt(100 * m['accept_rate'], '.1f')} ± "
-                           f"{_fmt(100 * m['accept_rate_se'], '.1f')} ({alphas})")
-            lines.append("| " + " | ".join(row) + " |")
-    lines.append("\n#### acceptance vs target entropy: slope b of α ≈ a − b·H (± s.e.), "
-                 "mean H (nats)\n")
-    lines += [head, "|" + "---|" * (len(domains) + 2)]
-    for name, by_cell in results.items():
-        for cell in cells:
-            if cell not in by_cell:
-                continue
-            row = [name, cell]
-            for d in domains:
-                m = by_cell[cell].get(d)
-                if m is None:
-                    row.append("—")
-                    continue
-                f = m["entropy_fit"]
-                row.append(f"{_fmt(-f['slope'], '.3f')} ± {_fmt(f['slope_se'], '.3f')} "
-                           f"(H̄ {_fmt(m['entropy_mean'], '.2f')})")
-            lines.append("| " + " | ".join(row) + " |")
+                row = [name, cell]
+                for d in domains:
+                    m = by_cell[cell].get(d)
+                    row.append("—" if m is None else cell_text(m))
+                lines.append("| " + " | ".join(row) + " |")
+
+    table("#### τ = mean emitted tokens per step (bonus included): measured ± s.e. "
+          "[predicted 1 + Σ_j Π_{i≤j} α_i]\n",
+          lambda m: f"{_fmt(m['tau'], '.2f')} ± {_fmt(m['tau_se'], '.2f')} "
+                    f"[{_fmt(m['tau_pred'], '.2f')}]")
+    table("\n#### acceptance rate = accepted / γ (± s.e.); per-position acceptance α_k\n",
+          lambda m: f"{_fmt(100 * m['accept_rate'], '.1f')} ± "
+                    f"{_fmt(100 * m['accept_rate_se'], '.1f')} "
+                    f"({'/'.join(_fmt(v, '.2f') for v in m['acceptance'][:8])})")
+    table("\n#### acceptance vs target entropy: slope b of α ≈ a − b·H (± s.e.), "
+          "mean H (nats)\n",
+          lambda m: f"{_fmt(-m['entropy_fit']['slope'], '.3f')} ± "
+                    f"{_fmt(m['entropy_fit']['slope_se'], '.3f')} "
+                    f"(H̄ {_fmt(m['entropy_mean'], '.2f')})")
     return "\n".join(lines) + "\n"
 
 
