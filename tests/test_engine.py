@@ -88,15 +88,16 @@ GREEDY_CASES = {"ngram": ("fixed", "none"), "draft_lm": ("mtp1",), "mtp": ("fixe
                 "dspark_rnn": ("dspark",)}
 
 
+@pytest.mark.parametrize("loop", ["device", "host"])
 @pytest.mark.parametrize("kind", sorted(GREEDY_CASES))
-def test_temperature0_equals_greedy_decoding_under_mixed_load(target, kind):
+def test_temperature0_equals_greedy_decoding_under_mixed_load(target, kind, loop):
     d, p, f = _drafter(kind, target)
     for policy in GREEDY_CASES[kind]:
         # One verification bucket and one prefill chunk (prompts up to 10 tokens are fed in
         # chunks of 8) keep compilation to a minimum. A per-token cost curve (as if every B had
         # its own bucket) makes the confidence policies choose varied lengths.
         cfg = EngineConfig(num_slots=3, max_len=40, gamma=3, token_buckets=(12,),
-                           prefill_buckets=(8,),
+                           prefill_buckets=(8,), loop=loop, loop_steps=4,
                            scheduler=SchedulerConfig(policy, k=3, threshold=0.3))
         engine = Engine(target, d, p, f, cfg)
         engine.warmup(profile=False)
@@ -136,9 +137,12 @@ def _chi2(counts, probs):
     return float(np.sum((c - e) ** 2 / e)), len(c) - 1
 
 
-@pytest.mark.parametrize("policy,draft_s", [("dspark", 0.0), ("production", 0.0),
-                                            ("production", 0.4)])
-def test_temperature1_engine_with_scheduler_is_lossless(target, policy, draft_s):
+@pytest.mark.parametrize("policy,draft_s,loop", [("dspark", 0.0, "device"),
+                                                 ("production", 0.0, "device"),
+                                                 ("production", 0.4, "device"),
+                                                 ("dspark", 0.0, "host"),
+                                                 ("production", 0.4, "host")])
+def test_temperature1_engine_with_scheduler_is_lossless(target, policy, draft_s, loop):
     """Many seeds of one prompt share 4 slots and compete for the verification budget.
 
     Buckets 4 / 8 / 16 with SPS 1.0 / 0.9 / 0.5: a full batch of 4 anchors can add at most 4 of
@@ -149,7 +153,7 @@ def test_temperature1_engine_with_scheduler_is_lossless(target, policy, draft_s)
     """
     d, p, f = _drafter("dspark", target)
     cfg = EngineConfig(num_slots=4, max_len=24, gamma=3, prefill_buckets=(8,),
-                       scheduler=SchedulerConfig(policy), overlap=True, filters=False)
+                       scheduler=SchedulerConfig(policy), overlap=True, filters=False, loop=loop)
     engine = Engine(target, d, p, f, cfg)
     engine.warmup(profile=False)
     assert engine.buckets == [4, 8, 16]
@@ -161,7 +165,10 @@ def test_temperature1_engine_with_scheduler_is_lossless(target, policy, draft_s)
     toks = np.array([r.tokens[:3] for r in results])
     verified = np.array([r.accepted for r in results])
     assert verified.sum() > 0.2 * n  # drafts were really verified and accepted
-    if draft_s:  # both kinds of steps really happened
+    if draft_s and loop == "device":  # both kinds of steps really happened
+        draft_steps = sum(s.draft_steps for s in engine.loop_stats)
+        assert 0 < draft_steps < sum(s.steps for s in engine.loop_stats)
+    if draft_s and loop == "host":
         drafted = [s.drafted for s in engine.stats]
         assert 0 < sum(drafted) < len(drafted), np.mean(drafted)
         # never more than explore_every - 1 steps in a row without drafting
@@ -224,11 +231,11 @@ class AppendixADrafter:
         return DraftOutput(tokens, jnp.stack(qs, axis=1), conf), state
 
 
-def _appendix_a_counts(policy, n):
+def _appendix_a_counts(policy, n, loop):
     engine = Engine(ConstTarget(), AppendixADrafter(), None, None,
                     EngineConfig(num_slots=1, max_len=16, gamma=2, token_buckets=(1, 2, 3),
                                  prefill_buckets=(1,), scheduler=SchedulerConfig(policy),
-                                 filters=False, overlap=False))
+                                 filters=False, overlap=False, loop=loop))
     engine.warmup(profile=False)
     engine.set_sps(SPSProfile((1, 2, 3), (1.0, 0.5, 0.45)))
     res = engine.generate([Request(prompt=[0], max_new_tokens=4, temperature=1.0, seed=s)
@@ -237,11 +244,12 @@ def _appendix_a_counts(policy, n):
     return np.bincount([r.tokens[1] for r in res], minlength=2)
 
 
-def test_appendix_a_engine_check_catches_retrospective_search():
+@pytest.mark.parametrize("loop", ["device", "host"])
+def test_appendix_a_engine_check_catches_retrospective_search(loop):
     n = 1500
     p = np.array([0.7, 0.3])
-    exact = _appendix_a_counts("dspark", n)
-    biased = _appendix_a_counts("retrospective", n)
+    exact = _appendix_a_counts("dspark", n, loop)
+    biased = _appendix_a_counts("retrospective", n, loop)
     assert _chi2(exact, p)[0] < CRIT(1)
     assert _chi2(biased, p)[0] > CRIT(1)
     assert biased[0] / n == pytest.approx(0.85, abs=0.04)
@@ -250,11 +258,12 @@ def test_appendix_a_engine_check_catches_retrospective_search():
 # ---- request handling and compilation ---------------------------------------------------------
 
 
-def test_request_validation_cancel_and_queue(target):
+@pytest.mark.parametrize("loop", ["device", "host"])
+def test_request_validation_cancel_and_queue(target, loop):
     d, p, f = _drafter("ngram", target)
     engine = Engine(target, d, p, f, EngineConfig(num_slots=2, max_len=24, gamma=2,
-                                                  prefill_buckets=(8,), filters=False,
-                                                  scheduler=SchedulerConfig("fixed")))
+                                                  prefill_buckets=(8,), filters=False, loop=loop,
+                                                  loop_steps=2, scheduler=SchedulerConfig("fixed")))
     with pytest.raises(ValueError, match="non-empty"):
         engine.submit(Request(prompt=[]))
     with pytest.raises(ValueError, match=r"\[0, 16\)"):
@@ -280,8 +289,9 @@ def test_request_validation_cancel_and_queue(target):
         engine.submit(Request(prompt=[1], max_new_tokens=4, request_id=ids[1]))
 
 
-@pytest.mark.parametrize("policy", ["dspark", "none"])
-def test_no_compilation_after_warmup(target, policy):
+@pytest.mark.parametrize("policy,loop", [("dspark", "host"), ("none", "host"),
+                                         ("production", "device"), ("none", "device")])
+def test_no_compilation_after_warmup(target, policy, loop):
     """≥ 200 steps with arrivals, departures and changing concurrency compile nothing (with
     overlap on, so admissions merge pre-dispatched drafter rows; "none" uses placeholder drafts).
 
@@ -296,6 +306,7 @@ def test_no_compilation_after_warmup(target, policy):
     p, f = jax.device_put(p, dev), jax.device_put(f, dev)
     engine = Engine(committed, d, p, f, EngineConfig(num_slots=4, max_len=40, gamma=3,
                                                   prefill_buckets=(4, 8), overlap=True,
+                                                  loop=loop, loop_steps=3,
                                                   scheduler=SchedulerConfig(policy)))
     engine.warmup(profile=True)
     compiles = []
@@ -322,22 +333,26 @@ def test_no_compilation_after_warmup(target, policy):
                 engine.submit(Request(prompt=[1, 2, 3], max_new_tokens=5))
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
-    assert len({s.active for s in engine.stats}) >= 3  # concurrency really changed
-    if policy != "none":  # plain decoding verifies ≤ 4 tokens: always the smallest bucket
+    stats = engine.stats if loop == "host" else engine.loop_stats
+    assert len({s.active for s in stats}) >= 3  # concurrency really changed
+    if policy != "none" and loop == "host":  # plain decoding: always the smallest bucket
         assert len({s.bucket for s in engine.stats}) >= 2
     assert compiles == []
 
 
-def test_failed_step_frees_slots_and_serving_continues(target, monkeypatch):
-    import specjax.engine as engine_mod
+@pytest.mark.parametrize("loop", ["device", "host"])
+def test_failed_step_frees_slots_and_serving_continues(target, monkeypatch, loop):
+    from specjax.engine import device_driver, host_loop
 
     d, p, f = _drafter("ngram", target)
     engine = Engine(target, d, p, f, EngineConfig(num_slots=2, max_len=24, gamma=2,
-                                                  prefill_buckets=(8,), filters=False,
+                                                  prefill_buckets=(8,), filters=False, loop=loop,
                                                   scheduler=SchedulerConfig("fixed")))
     ids = [engine.submit(Request(prompt=[1, 2], max_new_tokens=6, temperature=0.0))
            for _ in range(3)]
-    real = engine_mod.verify_step
+    engine_mod, name = (host_loop, "verify_step") if loop == "host" else \
+        (device_driver, "run_loop")
+    real = getattr(engine_mod, name)
     calls = {"n": 0}
 
     def flaky(*args, **kw):
@@ -346,7 +361,7 @@ def test_failed_step_frees_slots_and_serving_continues(target, monkeypatch):
             raise RuntimeError("device lost")
         return real(*args, **kw)
 
-    monkeypatch.setattr(engine_mod, "verify_step", flaky)
+    monkeypatch.setattr(engine_mod, name, flaky)
     with pytest.warns(UserWarning, match="device lost"):
         engine.run()
     reasons = [engine.finished[i].finish_reason for i in ids]

@@ -1,11 +1,16 @@
 """Plain autoregressive generation with the KV cache (greedy or temperature sampling).
 
 The reference decoder that speculative decoding must reproduce (greedy: token for token) and the
-quickstart's tokens/s baseline. A batch of prompts of different lengths is one ragged prefill
-(``num_valid`` per row) followed by one jitted decode step per token that donates the cache::
+plain-decoding baseline of every speed comparison. A batch of prompts of different lengths is one
+ragged prefill (``num_valid`` per row) followed by the decode loop::
 
     prompts [B, ragged]  --prefill (one cached forward, [B, T_pad])-->  first token per row
-    loop: step(last tokens [B, 1]) --> next token per row, cache donated and replaced
+    loop: step(last tokens [B, 1]) --> next token per row, cache written in place
+
+``loop="device"`` (default) runs the whole decode loop as one jitted ``lax.while_loop`` (tokens
+go to an on-device output buffer, the loop exits when every row is done): no host round trip per
+token. ``loop="host"`` dispatches one jitted step per token from Python (the classic decoder; kept
+as the reference the device loop is measured against).
 
 Finished rows (EOS seen or ``max_new_tokens`` reached) keep stepping with the rest of the batch
 (static shapes) but their outputs are discarded. Rows live in their own cache slot, so padding in
@@ -16,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,9 +45,11 @@ class GenerateResult:
     Attributes:
       tokens: new tokens per prompt (EOS included when it stopped the row); prompts not included.
       prefill_s: wall time of the prefill call (includes compilation on a new shape).
-      first_step_s: wall time of the first decode step (includes its compilation when new).
-      decode_s: wall time of the remaining decode steps (steady state).
-      decode_steps: decode steps run after the first one (each advances every row by 1).
+      first_step_s: host loop: wall time of the first decode step (includes its compilation when
+        new); device loop: 0 (the loop is one call, timed in ``decode_s``).
+      decode_s: host loop: wall time of the remaining decode steps (steady state); device loop:
+        the whole decode loop (includes its compilation on a new shape: warm up first to time it).
+      decode_steps: decode steps timed in ``decode_s`` (each advances every row by 1).
       batch_size: rows.
     """
 
@@ -103,9 +110,58 @@ def _decode_step(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, last:
     return out.cache, nxt, done | (last == eos_id), key
 
 
+class _LoopState(NamedTuple):
+    """Carry of the device decode loop (B rows, N = max_new_tokens).
+
+    cache: the rows' KV cache (written in place). last: int32 ``[B]`` last emitted token.
+    done: bool ``[B]`` row emitted EOS (its later tokens are discarded). out: int32 ``[B, N]``
+    emitted tokens (column i = token i). step: int32 scalar, tokens emitted per row so far.
+    key: PRNG key.
+    """
+
+    cache: KVCache
+    last: jax.Array
+    done: jax.Array
+    out: jax.Array
+    step: jax.Array
+    key: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "greedy", "stop_on_eos"),
+                   donate_argnames=("cache",))
+def _decode_loop(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, first: jax.Array,
+                 out: jax.Array, key: jax.Array, temperature: jax.Array, eos_id: jax.Array,
+                 greedy: bool, stop_on_eos: bool):
+    """Decodes until ``out [B, N]`` is full or (``stop_on_eos``) every row emitted ``eos_id``.
+
+    ``first int32 [B]`` is token 0 (from the prefill); returns ``(out, steps)`` with ``steps``
+    the decode steps run and the final cache (returned so that the donated cache is reused as
+    the loop's carry). One compiled program: the host waits once, not once per token.
+    """
+    n = out.shape[1]
+    out = out.at[:, 0].set(first)
+
+    def cond(s: _LoopState):
+        going = s.step < n
+        if stop_on_eos:
+            going &= ~jnp.all(s.done | (s.last == eos_id))
+        return going
+
+    def body(s: _LoopState):
+        res = apply(graphdef, state, s.last[:, None], cache=s.cache)
+        key, sub = jax.random.split(s.key)
+        nxt = _pick(res.logits[:, -1], sub, temperature, greedy)
+        o = jax.lax.dynamic_update_slice_in_dim(s.out, nxt[:, None], s.step, axis=1)
+        return _LoopState(res.cache, nxt, s.done | (s.last == eos_id), o, s.step + 1, key)
+
+    init = _LoopState(cache, first, jnp.zeros(first.shape, bool), out, jnp.int32(1), key)
+    final = jax.lax.while_loop(cond, body, init)
+    return final.out, final.step - 1, final.cache
+
+
 def generate_timed(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                    temperature: float = 0.0, eos_id: Optional[int] = None, seed: int = 0,
-                   max_len: Optional[int] = None) -> GenerateResult:
+                   max_len: Optional[int] = None, loop: str = "device") -> GenerateResult:
     """Generates up to ``max_new_tokens`` per prompt; returns tokens and timings.
 
     Args:
@@ -116,7 +172,10 @@ def generate_timed(model: Transformer, prompts: Sequence[Sequence[int]], max_new
       eos_id: stop a row after it emits this id (included in its output); None never stops.
       seed: PRNG seed for sampling.
       max_len: cache positions per row; default ``max prompt length + max_new_tokens``.
+      loop: "device" (one jitted while-loop, default) or "host" (one dispatch per token).
     """
+    if loop not in ("device", "host"):
+        raise ValueError(f"loop must be 'device' or 'host', got {loop!r}")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token lists")
     if max_new_tokens < 0:
@@ -155,6 +214,15 @@ def generate_timed(model: Transformer, prompts: Sequence[Sequence[int]], max_new
                                 key, temp, greedy)
     last.block_until_ready()
     t1 = time.perf_counter()
+    if loop == "device":
+        buf = jnp.full((b, max_new_tokens), -1, jnp.int32)
+        out, n_steps, _ = _decode_loop(graphdef, state, cache, last, buf, key, temp, eos,
+                                    greedy, eos_id is not None)
+        out = np.asarray(out)
+        t3 = time.perf_counter()
+        n_steps = int(n_steps)
+        return GenerateResult(_trim(out[:, :n_steps + 1], eos_id), t1 - t0, 0.0, t3 - t1,
+                              n_steps, b)
     steps = [last]
     done = jnp.zeros((b,), bool)
     t2 = t1
@@ -171,19 +239,23 @@ def generate_timed(model: Transformer, prompts: Sequence[Sequence[int]], max_new
     t3 = time.perf_counter()
     decode_steps = max(len(steps) - 2, 0)
     out = np.stack([np.asarray(s) for s in steps], axis=1)  # [B, steps]
+    return GenerateResult(_trim(out, eos_id), t1 - t0, t2 - t1, t3 - t2 if decode_steps else 0.0,
+                          decode_steps, b)
 
+
+def _trim(out: np.ndarray, eos_id: Optional[int]) -> list[list[int]]:
+    """Rows of ``out [B, steps]`` as lists, each cut after its first ``eos_id``."""
     result = []
     for row in out.tolist():
         if eos_id is not None and eos_id in row:
             row = row[:row.index(eos_id) + 1]
         result.append(row)
-    return GenerateResult(result, t1 - t0, t2 - t1, t3 - t2 if decode_steps else 0.0,
-                          decode_steps, b)
+    return result
 
 
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              temperature: float = 0.0, eos_id: Optional[int] = None, seed: int = 0,
-             max_len: Optional[int] = None) -> list[list[int]]:
+             max_len: Optional[int] = None, loop: str = "device") -> list[list[int]]:
     """:func:`generate_timed` without the timings: the new tokens of each prompt."""
     return generate_timed(model, prompts, max_new_tokens, temperature=temperature, eos_id=eos_id,
-                          seed=seed, max_len=max_len).tokens
+                          seed=seed, max_len=max_len, loop=loop).tokens

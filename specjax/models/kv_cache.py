@@ -4,7 +4,8 @@ Layout: ``k, v: [layers, slots, max_len, kv_heads, head_dim]`` plus ``lengths: i
 
 * A row ("slot") owns one sequence. ``lengths[s]`` is the number of *committed* positions of slot s:
   positions ``0 .. lengths[s]-1`` hold keys/values of tokens that are part of the sequence.
-* A forward call writes its T new tokens at positions ``lengths[s] + t`` (per-row offsets) *before*
+* A forward call writes its T new tokens at positions ``lengths[s] + t`` (per-row offsets), in place
+  (:func:`specjax.models.attention.write_kv`), *before*
   attending, and a query at position p attends to keys at positions ``<= p``. Entries at positions
   ``>= lengths[s]`` are therefore never read before being overwritten, so rejected draft tokens are
   rolled back by setting ``lengths`` alone (:meth:`KVCache.rollback`): no copy, no zeroing.
@@ -78,21 +79,3 @@ def init_cache(config: ModelConfig, num_slots: int, max_len: int, dtype=None) ->
     shape = (config.num_layers, num_slots, max_len, config.num_kv_heads, config.head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    lengths=jnp.zeros((num_slots,), jnp.int32))
-
-
-def write_layer(cache_k: jax.Array, cache_v: jax.Array, k: jax.Array, v: jax.Array,
-                positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Scatters new keys/values of one layer into its cache rows.
-
-    Args:
-      cache_k, cache_v: ``[slots, max_len, kv_heads, head_dim]``.
-      k, v: ``[slots, T, kv_heads, head_dim]`` new entries.
-      positions: ``int32 [slots, T]`` target positions; out-of-range positions are dropped.
-    Returns:
-      Updated ``(cache_k, cache_v)``.
-    """
-    slots = jnp.arange(cache_k.shape[0])[:, None]
-    slots = jnp.broadcast_to(slots, positions.shape)
-    cache_k = cache_k.at[slots, positions].set(k.astype(cache_k.dtype), mode="drop")
-    cache_v = cache_v.at[slots, positions].set(v.astype(cache_v.dtype), mode="drop")
-    return cache_k, cache_v

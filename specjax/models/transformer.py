@@ -31,11 +31,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.models.config import ModelConfig
-from specjax.models.kv_cache import KVCache, write_layer
+from specjax.models.attention import (attention_weights_mask, grouped_attention, kv_windows,
+                                      windowed_attention, write_kv)
+from specjax.models.kv_cache import KVCache
 from specjax.models.layers import RMSNorm, apply_rope, param, rope_inv_freq
-
-_NEG_INF = -1e30
-
 
 class ForwardOutput(NamedTuple):
     """Result of a forward pass.
@@ -48,38 +47,6 @@ class ForwardOutput(NamedTuple):
     logits: jax.Array
     cache: Optional[KVCache]
     hidden: Optional[jax.Array]
-
-
-def attention_weights_mask(q_pos, k_pos, q_seg=None, k_seg=None, k_valid=None):
-    """Boolean mask ``[B, T, S]``: key visible to query (causal by position, same segment)."""
-    mask = k_pos[:, None, :] <= q_pos[:, :, None]
-    if q_seg is not None:
-        mask &= q_seg[:, :, None] == k_seg[:, None, :]
-    if k_valid is not None:
-        mask &= k_valid[:, None, :]
-    return mask
-
-
-def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention.
-
-    Args:
-      q: ``[B, T, H, Dh]``; k, v: ``[B, S, KVH, Dh]``; mask: bool ``[B, T, S]``.
-    Returns:
-      ``[B, T, H, Dh]`` in q's dtype. Softmax in f32; rows with no visible key give zeros.
-    """
-    b, t, h, dh = q.shape
-    kvh = k.shape[2]
-    qg = q.reshape(b, t, kvh, h // kvh, dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (dh ** -0.5)
-    m = mask[:, None, None, :, :]
-    scores = jnp.where(m, scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(m, probs, 0.0)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
-                     preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, dh).astype(q.dtype)
 
 
 class Attention(nnx.Module):
@@ -219,52 +186,56 @@ class Transformer(nnx.Module):
                 positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         positions = jnp.asarray(positions, jnp.int32)
 
-        if cache is not None:
-            k_pos = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32),
-                                     (b, cache.max_len))
-            mask = attention_weights_mask(positions, k_pos)
-        else:
+        if cache is None:
             seg = segment_ids
             mask = attention_weights_mask(positions, positions, seg, seg)
             if seg is None:  # plain causal by index (positions may repeat across packed docs)
                 idx = jnp.arange(t)
                 mask = jnp.broadcast_to(idx[None, :] <= idx[:, None], (b, t, t))
 
-        def attend(i, q, k, v):
-            if cache is None:
-                return grouped_attention(q, k, v, mask), None
-            ck, cv = write_layer(cache.k[i], cache.v[i], k, v, positions)
-            return grouped_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), mask), (ck, cv)
+            def attend(i, q, k, v, carry):
+                return grouped_attention(q, k, v, mask), carry
 
-        x, written, hid = self._run_layers(tokens, positions, attend, hidden_layers)
-        logits = self.lm_logits(x)
-        new_cache = None
-        if cache is not None:
-            new_cache = KVCache(k=jnp.stack([w[0] for w in written]),
-                                v=jnp.stack([w[1] for w in written]),
-                                lengths=cache.lengths + num_valid.astype(jnp.int32))
-        return ForwardOutput(logits=logits, cache=new_cache, hidden=hid)
+            x, _, hid = self._run_layers(tokens, positions, attend, hidden_layers, None)
+            return ForwardOutput(logits=self.lm_logits(x), cache=None, hidden=hid)
 
-    def _run_layers(self, tokens, positions, attend, hidden_layers):
-        """Embeds and runs every block; ``attend(i, q, k, v) -> (out, written)`` is the mode.
+        # Cached: write this call's keys/values in place, attend over the smallest window bucket
+        # that holds every row's last real query (padding rows/tokens past num_valid excluded).
+        rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+        real = jnp.arange(t, dtype=jnp.int32)[None, :] < num_valid[:, None]
+        need = jnp.max(jnp.where(real, positions + 1, 1))
+        windows = kv_windows(cache.max_len)
 
-        Returns the last block's output, the per-layer ``written`` values and the stacked hidden
-        states requested (or None).
+        def attend(i, q, k, v, carry):
+            k_all, v_all = write_kv(*carry, i, rows, positions, k, v)
+            out = windowed_attention(q, positions, k_all, v_all, i, windows, need)
+            return out, (k_all, v_all)
+
+        x, (k_all, v_all), hid = self._run_layers(tokens, positions, attend, hidden_layers,
+                                                  (cache.k, cache.v))
+        new_cache = KVCache(k=k_all, v=v_all,
+                            lengths=cache.lengths + num_valid.astype(jnp.int32))
+        return ForwardOutput(logits=self.lm_logits(x), cache=new_cache, hidden=hid)
+
+    def _run_layers(self, tokens, positions, attend, hidden_layers, carry):
+        """Embeds and runs every block; ``attend(i, q, k, v, carry) -> (out, carry)`` is the mode
+        (``carry``: the layered cache arrays being written, or None).
+
+        Returns the last block's output, the final ``carry`` and the stacked hidden states
+        requested (or None).
         """
         inv_freq = self.inv_freq()
         x = self.embed_tokens(tokens)
         hidden = {0: x}
-        written = []
         for i, layer in enumerate(self.layers):
             q, k, v = layer.attn.project(layer.input_norm(x), positions, inv_freq)
-            attn, w = attend(i, q, k, v)
-            written.append(w)
+            attn, carry = attend(i, q, k, v, carry)
             x = x + layer.attn.output(attn)
             x = x + layer.mlp(layer.post_attn_norm(x))
             if i + 1 in hidden_layers:
                 hidden[i + 1] = x
         hid = jnp.stack([hidden[i] for i in hidden_layers]) if hidden_layers else None
-        return x, written, hid
+        return x, carry, hid
 
     def forward_flat(self, tokens: jax.Array, segment_ids: jax.Array, cache: KVCache, *,
                      grid_len: int, hidden_layers: Sequence[int] = ()) -> ForwardOutput:
@@ -275,8 +246,9 @@ class Transformer(nnx.Module):
         ``cache.lengths[slot] + j`` where j is its rank among that slot's tokens (tokens of one
         slot are contiguous and in order). Dense work (projections, MLP, LM head) runs on the
         flat ``[N]`` tokens, so its cost follows N; for attention the queries are scattered into a
-        ``[slots, grid_len]`` grid and attend to each slot's cache row once, then gathered back.
-        Keys/values are written at ``(slot, position)`` before attending. Cache lengths are NOT
+        ``[slots, grid_len]`` grid and attend to the used window of each slot's cache row once
+        (:func:`~specjax.models.attention.windowed_attention`), then gathered back. Keys/values
+        are written in place at ``(layer, slot, position)`` before attending. Cache lengths are NOT
         advanced: the caller commits ``lengths`` after verification (rollback by lengths).
 
         Args:
@@ -303,26 +275,22 @@ class Transformer(nnx.Module):
         positions = jnp.where(valid, cache.lengths[seg_c] + rank, cache.max_len)
         grid_slot = jnp.where(valid & (rank < grid_len), seg_c, s)  # s = dropped
         q_pos_grid = cache.lengths[:, None] + jnp.arange(grid_len, dtype=jnp.int32)[None, :]
-        k_pos = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (s, cache.max_len))
-        mask = attention_weights_mask(q_pos_grid, k_pos)
+        need = jnp.max(jnp.where(valid, positions + 1, 1))
+        windows = kv_windows(cache.max_len)
 
-        def attend(i, q, k, v):
+        def attend(i, q, k, v, carry):
             # q, k, v: [1, N, heads, Dh]
-            ck = cache.k[i].at[seg_c, positions].set(
-                k[0].astype(cache.k.dtype), mode="drop")
-            cv = cache.v[i].at[seg_c, positions].set(
-                v[0].astype(cache.v.dtype), mode="drop")
+            k_all, v_all = write_kv(*carry, i, seg_c, positions, k[0], v[0])
             grid_q = jnp.zeros((s, grid_len) + q.shape[2:], q.dtype)
             grid_q = grid_q.at[grid_slot, rank].set(q[0], mode="drop")
-            out = grouped_attention(grid_q, ck.astype(q.dtype), cv.astype(q.dtype), mask)
+            out = windowed_attention(grid_q, q_pos_grid, k_all, v_all, i, windows, need)
             flat = out.at[grid_slot, rank].get(mode="fill", fill_value=0)
-            return flat[None], (ck, cv)
+            return flat[None], (k_all, v_all)
 
-        x, written, hid = self._run_layers(tokens[None], positions[None], attend, hidden_layers)
+        x, (k_all, v_all), hid = self._run_layers(tokens[None], positions[None], attend,
+                                                  hidden_layers, (cache.k, cache.v))
         logits = self.lm_logits(x[0])
-        new_cache = cache.replace(k=jnp.stack([w[0] for w in written]),
-                                  v=jnp.stack([w[1] for w in written]))
-        return ForwardOutput(logits=logits, cache=new_cache,
+        return ForwardOutput(logits=logits, cache=cache.replace(k=k_all, v=v_all),
                              hidden=None if hid is None else hid[:, 0])
 
 

@@ -1,10 +1,13 @@
 """Device steps of the serving engine: draft, flattened verification, prefill (all jitted).
 
+The host loop (:mod:`specjax.engine.engine`) dispatches them one by one; the device loop
+(:mod:`specjax.engine.device_loop`) traces the same :func:`verify_core` inside ``lax.while_loop``.
+
 Static shapes everywhere: S slots, γ drafts, a token bucket N for the flattened verification batch
 and a chunk bucket C for prefill are the only shape parameters; every step is compiled once per
 bucket (at engine warm-up) and never again.
 
-Flattened verification (DESIGN "Flattened verification"; DSpark §5.3): slot s verifies
+Flattened verification (docs/DESIGN.md, "Flattened verification"; DSpark §5.3): slot s verifies
 ``num_draft[s] = ℓ_s`` drafts (``-1`` = slot idle this step). Its ``1 + ℓ_s`` tokens
 ``[anchor, x_1..x_ℓ]`` are packed contiguously, slot by slot, into a 1-D batch of N tokens
 (segment id = slot, padding = S). One target forward (:meth:`Transformer.forward_flat`) runs the
@@ -74,12 +77,13 @@ def flat_layout(num_draft: jax.Array, bucket: int):
     return jnp.where(valid, slot, s), jnp.where(valid, rank, 0), offsets, valid
 
 
-@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "bucket", "gamma",
-                                             "method"), donate_argnames=("state",))
-def verify_step(target_graphdef: nnx.GraphDef, target_state, drafter, params, frozen,
+def verify_core(target_graphdef: nnx.GraphDef, target_state, drafter, params, frozen,
                 state: DeviceState, draft_tokens, draft_probs, num_draft, verify_keys,
                 sampling: Sampling, *, bucket: int, gamma: int, method: str):
-    """Flattened verification of every slot's admitted drafts, then commit (donates ``state``).
+    """Flattened verification of every slot's admitted drafts, then commit.
+
+    Traced inside the device loop (one branch per token bucket) and jitted as
+    :func:`verify_step` for the host loop.
 
     Args:
       draft_tokens: int32 ``[S, γ]``; draft_probs: f32 ``[S, γ, V]`` (the q they were drawn from).
@@ -122,6 +126,12 @@ def verify_step(target_graphdef: nnx.GraphDef, target_state, drafter, params, fr
     new_state = DeviceState(cache=out.cache.rollback(lengths), drafter_state=dstate, anchor=nxt)
     tokens = jnp.where(active[:, None], ver.tokens, -1)
     return new_state, VerifyResult(tokens=tokens, num_accepted=accepted)
+
+
+verify_step = functools.partial(jax.jit, static_argnames=(
+    "target_graphdef", "drafter", "bucket", "gamma", "method"), donate_argnames=("state",))(
+        verify_core)
+verify_step.__doc__ = "Jitted :func:`verify_core` (donates ``state``)."
 
 
 def batch_axes(drafter, state_like, num_slots: int, max_len: int, gamma: int):

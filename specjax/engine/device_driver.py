@@ -1,0 +1,119 @@
+"""Host side of the device loop (``EngineConfig.loop="device"``): admit, call, stream, finish.
+
+Each call of :meth:`DeviceLoopMixin._device_call` admits queued requests (prefill), hands the
+slots' budgets, step counts, seeds and stop tokens to :func:`specjax.engine.device_loop.run_loop`,
+and reads back once: the tokens each slot emitted, its new step count and per-position
+acceptance. It returns early when a slot finishes while requests wait, so that admission is
+never delayed by more than one device step.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import jax
+import numpy as np
+
+from specjax.engine.device_loop import LoopSpec, LoopState, init_loop_state, run_loop
+from specjax.engine.requests import LoopStats
+
+# Stop tokens per request are padded to a multiple of this (a request with more stop tokens
+# compiles the loop once more for the larger width).
+STOP_WIDTH = 4
+
+
+class DeviceLoopMixin:
+    """The device-loop half of :class:`~specjax.engine.engine.Engine`."""
+
+    def _loop_spec(self) -> LoopSpec:
+        cfg = self.config
+        sch = cfg.scheduler
+        return LoopSpec(policy=sch.policy, gamma=cfg.gamma, buckets=tuple(self.buckets),
+                        method=cfg.method, max_steps=cfg.loop_steps, k=sch.k,
+                        threshold=sch.threshold, explore_every=sch.explore_every)
+
+    def _put(self, x):
+        return jax.device_put(x, self._device)
+
+    def _loop_inputs(self, stop_on_finish: bool):
+        """Host arrays for one call: the loop state around ``self.state`` and the per-slot
+        sampling / seeds / stop tokens, all committed to the engine's device."""
+        s, g = self.config.num_slots, self.config.gamma
+        spec = self._loop_spec()
+        carry = self._carry
+        if carry is None:
+            carry = init_loop_state(self.state, s, g, spec.out_len)
+        active = np.zeros(s, bool)
+        remaining = np.zeros(s, np.int32)
+        steps = np.zeros(s, np.int32)
+        seeds = np.zeros(s, np.uint32)
+        width = max([len(l.request.stop_tokens) for l in self.slots if l is not None] + [1])
+        width = -(-width // STOP_WIDTH) * STOP_WIDTH
+        stops = np.full((s, width), -1, np.int32)
+        for i, live in enumerate(self.slots):
+            if live is None:
+                continue
+            r = live.request
+            active[i] = True
+            remaining[i] = r.max_new_tokens - live.generated
+            steps[i] = live.verify_steps
+            seeds[i] = r.seed
+            stops[i, :len(r.stop_tokens)] = r.stop_tokens
+        hist_n = np.asarray(carry.hist_n) * ~self._new_rows  # admitted rows start a history
+        self._new_rows[:] = False
+        ls = LoopState(
+            dev=self.state, active=active, remaining=remaining, steps=steps,
+            out=np.full((s, spec.out_len), -1, np.int32), out_len=np.zeros(s, np.int32),
+            drafted=np.zeros((s, g), np.int32), accepted=np.zeros((s, g), np.int32),
+            conf_hist=carry.conf_hist, hist_n=hist_n.astype(np.int32), prior=carry.prior,
+            prior_seen=carry.prior_seen, since_draft=carry.since_draft, draws=carry.draws,
+            t=np.int32(0), finished=np.bool_(False))
+        return self._put(ls), self._put((seeds, stops, np.bool_(stop_on_finish)))
+
+    def _device_call(self) -> Optional[LoopStats]:
+        """Admits, runs up to ``loop_steps`` steps on the device, emits. Returns the call's stats."""
+        t0 = time.perf_counter()
+        self._admit()
+        if self.num_active == 0:
+            return None
+        active_in = self.num_active
+        draws_in = 0 if self._carry is None else int(self._carry.draws)
+        ls, (seeds, stops, stop_on_finish) = self._loop_inputs(bool(self.queue))
+        sps, sps_d = self._device_sps()
+        ls = run_loop(self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
+                      ls, self._put(self._sampling()), seeds, stops, sps, sps_d, self._key,
+                      stop_on_finish, spec=self._loop_spec())
+        self.state = ls.dev
+        self._carry = ls
+        out, out_len, steps, drafted, accepted, t, draws = jax.device_get(
+            (ls.out, ls.out_len, ls.steps, ls.drafted, ls.accepted, ls.t, ls.draws))
+        now = time.perf_counter()
+        for i, live in enumerate(self.slots):
+            if live is None:
+                continue
+            live.verify_steps = int(steps[i])
+            live.result.accepted += int(accepted[i].sum())
+            self._emit(i, out[i, :out_len[i]].tolist(), now)
+        stats = LoopStats(steps=int(t), draft_steps=int(draws) - draws_in,
+                          tokens=int(out_len.sum()), active=active_in,
+                          drafted=drafted.sum(0).tolist(), accepted=accepted.sum(0).tolist(),
+                          wall_s=time.perf_counter() - t0)
+        self.loop_stats.append(stats)
+        return stats
+
+    def _device_sps(self):
+        """SPS tables (verify only, draft + verify) on the device, rebuilt when they change."""
+        if self._sps_dev is None or self._sps_dev[0] is not self.sps_table:
+            self._sps_dev = (self.sps_table, self._put(np.asarray(self.sps_table, np.float32)),
+                             self._put(np.asarray(self.sps_table_draft, np.float32)))
+        return self._sps_dev[1], self._sps_dev[2]
+
+    def _warmup_device_loop(self) -> None:
+        """Compiles the device loop (all slots idle: it returns at once)."""
+        ls, (seeds, stops, stop) = self._loop_inputs(False)
+        sps, sps_d = self._device_sps()
+        ls = run_loop(self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
+                      ls, self._put(self._sampling()), seeds, stops, sps, sps_d, self._key, stop,
+                      spec=self._loop_spec())
+        self.state = ls.dev
+        self._carry = ls

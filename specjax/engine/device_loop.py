@@ -1,0 +1,272 @@
+"""The device-resident speculative loop: many engine steps in one jitted ``lax.while_loop``.
+
+One call runs, per step and without returning to the host::
+
+    budget   production only: draft-token budget from confidences two steps old
+    draft    every slot drafts γ tokens (skipped by "none", and by production at budget 0)
+    choose   ℓ per slot with the policy in jnp (:mod:`specjax.engine.device_policies`)
+    verify   Σ(1+ℓ) tokens in the smallest token bucket (``lax.switch``, one branch per bucket),
+             rejection / target-only per slot, caches and drafter committed by lengths
+    emit     accepted tokens into the output buffer; stop tokens and max_new_tokens finish slots
+
+and returns when no slot is active, after ``spec.max_steps`` steps (the host streams then), or
+(``stop_on_finish``) as soon as a slot finishes while requests wait for admission. The host only
+admits (prefill), streams and finishes.
+
+Plain decoding (policy "none") runs a dense ``[S, 1]`` decode step instead: no drafter, no
+flattening, no verifier.
+
+Exactness is the host engine's: the same :func:`~specjax.engine.steps.verify_core`, per-request
+verification keys from (seed, the request's own step count), and policies that only read
+information available before the drafts they admit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.drafters.base import DraftOutput, Sampling
+from specjax.engine import device_policies as dp
+from specjax.engine.steps import DeviceState, sample_rows, verify_core
+
+VERIFY_SALT = 2  # key salt of verification noise (prefill's first token uses 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSpec:
+    """Static shape and policy of a device loop (its compilation key).
+
+    policy / k / threshold / explore_every: as :class:`~specjax.scheduling.SchedulerConfig`.
+    gamma: drafts per step. buckets: verification token buckets (ascending). method: "rejection"
+    or "target_only". max_steps: steps per call (the output buffer holds
+    ``max_steps · (γ + 1)`` tokens per slot).
+    """
+
+    policy: str
+    gamma: int
+    buckets: tuple
+    method: str
+    max_steps: int
+    k: int = 4
+    threshold: float = 0.5
+    explore_every: int = 16
+
+    @property
+    def out_len(self) -> int:
+        return self.max_steps * (self.gamma + 1)
+
+
+class LoopState(NamedTuple):
+    """Carry of the device loop (S slots, γ drafts, O = ``spec.out_len``).
+
+    dev: the engine's :class:`DeviceState` (cache, drafter state, anchors).
+    active: bool ``[S]`` slot holds a request that has not finished.
+    remaining: int32 ``[S]`` tokens the slot's request may still emit.
+    steps: int32 ``[S]`` verification steps its request has taken (keys its verification noise).
+    out: int32 ``[S, O]`` tokens emitted during this call; out_len: int32 ``[S]`` how many.
+    drafted, accepted: int32 ``[S, γ]`` drafts verified / accepted per draft position (this call).
+    conf_hist: f32 ``[S, 2, γ]`` the slot's last two drafted confidences (older first);
+      hist_n: int32 ``[S]`` how many it has (production).
+    prior: f32 ``[γ]`` running mean of confidences (production: stands in for new requests);
+      prior_seen: bool scalar, the prior was set from real confidences.
+    since_draft: int32 scalar, steps since the last drafting step (production's exploration).
+    draws: int32 scalar, drafting calls so far (keys the drafting noise).
+    t: int32 scalar, steps this call. finished: bool scalar, a slot finished this call.
+    """
+
+    dev: DeviceState
+    active: jax.Array
+    remaining: jax.Array
+    steps: jax.Array
+    out: jax.Array
+    out_len: jax.Array
+    drafted: jax.Array
+    accepted: jax.Array
+    conf_hist: jax.Array
+    hist_n: jax.Array
+    prior: jax.Array
+    prior_seen: jax.Array
+    since_draft: jax.Array
+    draws: jax.Array
+    t: jax.Array
+    finished: jax.Array
+
+
+def slot_keys(seeds: jax.Array, steps: jax.Array, salt) -> jax.Array:
+    """``[S]`` keys from each request's seed, its own step count and a salt (batch independent)."""
+    def one(seed, step):
+        k = jax.random.key(seed)
+        return jax.random.fold_in(jax.random.fold_in(k, step), jnp.asarray(salt, jnp.uint32))
+    return jax.vmap(one)(seeds.astype(jnp.uint32), steps.astype(jnp.uint32))
+
+
+def _choose(spec: LoopSpec, conf, cap, active, sps, budget):
+    """ℓ per slot (-1 inactive) for every policy except production's budget step."""
+    if spec.policy == "fixed":
+        return dp.fixed_k(min(spec.k, spec.gamma), cap, active)
+    if spec.policy == "mtp1":
+        return dp.fixed_k(1, cap, active)
+    if spec.policy == "threshold":
+        return dp.threshold_schedule(conf, spec.threshold, cap, active)
+    if spec.policy in ("dspark", "retrospective"):
+        return dp.prefix_schedule(conf, sps, cap, active, early_stop=spec.policy == "dspark")
+    if spec.policy == "production":
+        return dp.top_budget_admission(conf, budget, cap, active)
+    raise ValueError(f"device loop: unknown policy {spec.policy!r}")
+
+
+def _emit(ls: LoopState, tokens, n_tok, stop_tokens, spec: LoopSpec):
+    """Appends ``tokens[s, :n_tok[s]]`` (cut after a stop token and at ``remaining``) to the
+    output buffer; returns the updated (active, remaining, out, out_len, finished_now)."""
+    j = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    real = j < n_tok[:, None]
+    is_stop = jnp.any(tokens[:, :, None] == stop_tokens[:, None, :], axis=-1) & real
+    first_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1), tokens.shape[1])
+    n_out = jnp.minimum(jnp.minimum(n_tok, first_stop + 1), ls.remaining)
+    idx = jnp.where(j < n_out[:, None], ls.out_len[:, None] + j, spec.out_len)  # past end: dropped
+    rows = jnp.broadcast_to(jnp.arange(tokens.shape[0])[:, None], idx.shape)
+    out = ls.out.at[rows, idx].set(tokens, mode="drop")
+    remaining = ls.remaining - n_out
+    done = ls.active & ((first_stop < n_out) | (remaining <= 0))
+    return ls.active & ~done, remaining, out, ls.out_len + n_out, done
+
+
+def _plain_step(target_graphdef, target_state, ls: LoopState, sampling, keys):
+    """Policy "none": one dense decode step for every active slot."""
+    dev = ls.dev
+    target = nnx.merge(target_graphdef, target_state)
+    res = target(dev.anchor[:, None], cache=dev.cache, num_valid=ls.active.astype(jnp.int32))
+    tok = sample_rows(keys, sampling.probs(res.logits[:, 0]))
+    anchor = jnp.where(ls.active, tok, dev.anchor)
+    return DeviceState(res.cache, dev.drafter_state, anchor), tok[:, None]
+
+
+def _zeros_like_draft(drafter, params, frozen, dstate, key, sampling, gamma, argmax):
+    shapes = jax.eval_shape(lambda: drafter.propose(params, frozen, dstate, key, gamma=gamma,
+                                                    sampling=sampling, argmax=argmax))
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[0])
+
+
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "spec"),
+                   donate_argnames=("ls",))
+def run_loop(target_graphdef: nnx.GraphDef, target_state, drafter, params, frozen,
+             ls: LoopState, sampling: Sampling, seeds: jax.Array, stop_tokens: jax.Array,
+             sps: jax.Array, sps_draft: jax.Array, key: jax.Array, stop_on_finish: jax.Array,
+             *, spec: LoopSpec) -> LoopState:
+    """Runs engine steps on the device until a return condition (module docstring).
+
+    Args:
+      ls: the loop state (donated); ``out``, ``out_len``, ``drafted``, ``accepted``, ``t`` and
+        ``finished`` should be zero on entry.
+      sampling: per-slot :class:`Sampling` (``[S]`` fields).
+      seeds: uint32 ``[S]`` request seeds. stop_tokens: int32 ``[S, n]`` (-1 pads).
+      sps, sps_draft: f32 ``[B_max + 1]`` SPS tables (verify only / draft + verify).
+      key: the engine's drafting key (folded with ``ls.draws``).
+      stop_on_finish: bool scalar: return as soon as a slot finishes.
+    Returns:
+      the final :class:`LoopState`.
+    """
+    g = spec.gamma
+    argmax = spec.method == "target_only"
+    buckets = jnp.asarray(spec.buckets, jnp.int32)
+
+    def cond(ls: LoopState):
+        return (ls.t < spec.max_steps) & jnp.any(ls.active) & ~(stop_on_finish & ls.finished)
+
+    def body(ls: LoopState):
+        dev = ls.dev
+        active = ls.active
+        keys = slot_keys(seeds, ls.steps, VERIFY_SALT)
+        if spec.policy == "none":
+            dev, tokens = _plain_step(target_graphdef, target_state, ls, sampling, keys)
+            n_acc = jnp.zeros_like(ls.remaining)
+            ell = jnp.where(active, 0, -1)
+            drew = jnp.bool_(False)
+        else:
+            cap = jnp.clip(jnp.minimum(g, ls.remaining - 1), 0, g)
+            dkey = jax.random.fold_in(key, ls.draws)
+            budget = jnp.int32(0)
+            if spec.policy == "production":
+                stale = jnp.where((ls.hist_n >= 2)[:, None], ls.conf_hist[:, 0], ls.prior[None])
+                budget = dp.budget_search(stale, sps, cap, active, sps_draft)
+                explore = (budget == 0) & (spec.explore_every > 0) & \
+                    (ls.since_draft + 1 >= spec.explore_every)
+                budget = jnp.where(explore, dp.budget_search(stale, sps, cap, active), budget)
+                drew = budget > 0
+
+                def draft():
+                    return drafter.propose(params, frozen, dev.drafter_state, dkey, gamma=g,
+                                           sampling=sampling, argmax=argmax)
+
+                def no_draft():
+                    return (_zeros_like_draft(drafter, params, frozen, dev.drafter_state, dkey,
+                                              sampling, g, argmax), dev.drafter_state)
+
+                out, dstate = jax.lax.cond(drew, draft, no_draft)
+            else:
+                out, dstate = drafter.propose(params, frozen, dev.drafter_state, dkey, gamma=g,
+                                              sampling=sampling, argmax=argmax)
+                drew = jnp.bool_(True)
+            out: DraftOutput
+            conf = out.confidences if out.confidences is not None else jnp.ones((cap.shape[0], g))
+            ell = _choose(spec, conf, cap, active, sps, budget)
+            if spec.policy == "production":
+                ell = jnp.where(drew, ell, jnp.where(active, 0, -1))
+                ls = _update_confidences(ls, conf, active & drew)
+            n_tok = jnp.sum(jnp.where(ell >= 0, ell + 1, 0))
+            b_idx = jnp.minimum(jnp.searchsorted(buckets, n_tok, side="left"), len(spec.buckets) - 1)
+            dev = DeviceState(dev.cache, dstate, dev.anchor)
+
+            def branch(bucket):
+                def run(dev):
+                    return verify_core(target_graphdef, target_state, drafter, params, frozen, dev,
+                                       out.tokens, out.probs, ell, keys, sampling, bucket=bucket,
+                                       gamma=g, method=spec.method)
+                return run
+
+            dev, res = jax.lax.switch(b_idx, [branch(b) for b in spec.buckets], dev)
+            tokens, n_acc = res.tokens, res.num_accepted
+        n_tok = jnp.where(active, n_acc + 1, 0)
+        new_active, remaining, buf, out_len, done = _emit(ls, tokens, n_tok, stop_tokens, spec)
+        pos = jnp.arange(g, dtype=jnp.int32)[None, :]
+        ver = active[:, None] & (pos < jnp.maximum(ell, 0)[:, None])
+        return ls._replace(
+            dev=dev, active=new_active, remaining=remaining, steps=ls.steps + active,
+            out=buf, out_len=out_len, drafted=ls.drafted + ver,
+            accepted=ls.accepted + (ver & (pos < n_acc[:, None])),
+            since_draft=jnp.where(drew, 0, ls.since_draft + 1), draws=ls.draws + drew,
+            t=ls.t + 1, finished=ls.finished | jnp.any(done))
+
+    return jax.lax.while_loop(cond, body, ls)
+
+
+def _update_confidences(ls: LoopState, conf, fresh):
+    """Production: pushes the fresh rows' confidences into their history and the running prior
+    (a moving average over steps; the first observation replaces the 0.5 guess)."""
+    pushed = jnp.stack([ls.conf_hist[:, 1], conf.astype(jnp.float32)], axis=1)
+    hist = jnp.where(fresh[:, None, None], pushed, ls.conf_hist)
+    n = jnp.where(fresh, jnp.minimum(ls.hist_n + 1, 2), ls.hist_n)
+    any_fresh = jnp.any(fresh)
+    mean = jnp.sum(jnp.where(fresh[:, None], conf, 0.0), axis=0) / jnp.maximum(jnp.sum(fresh), 1)
+    w = jnp.where(ls.prior_seen, 0.1, 1.0)
+    prior = jnp.where(any_fresh, (1 - w) * ls.prior + w * mean, ls.prior)
+    return ls._replace(conf_hist=hist, hist_n=n, prior=prior,
+                       prior_seen=ls.prior_seen | any_fresh)
+
+
+def init_loop_state(dev: DeviceState, num_slots: int, gamma: int, out_len: int) -> LoopState:
+    """A loop state around ``dev`` with nothing active and empty buffers (host fills the rest)."""
+    s, g = num_slots, gamma
+    zi = jnp.zeros((s,), jnp.int32)
+    return LoopState(
+        dev=dev, active=jnp.zeros((s,), bool), remaining=zi, steps=zi,
+        out=jnp.full((s, out_len), -1, jnp.int32), out_len=zi,
+        drafted=jnp.zeros((s, g), jnp.int32), accepted=jnp.zeros((s, g), jnp.int32),
+        conf_hist=jnp.zeros((s, 2, g), jnp.float32), hist_n=zi,
+        prior=jnp.full((g,), 0.5, jnp.float32), prior_seen=jnp.bool_(False),
+        since_draft=jnp.int32(0), draws=jnp.int32(0), t=jnp.int32(0), finished=jnp.bool_(False))

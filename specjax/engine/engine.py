@@ -1,0 +1,374 @@
+"""Serving engine: continuous batching with confidence-scheduled, bucketed speculative verification.
+
+Rooms (one concept per file)::
+
+    requests.py         Request, Result, EngineConfig, stats                       host
+    engine.py           Engine: submit / cancel / admit (prefill) / emit / finish    host
+    device_loop.py      many steps in one jitted lax.while_loop (default)            device
+    device_policies.py  verification-length policies in jnp                         device
+    device_driver.py    feeds the device loop and streams its tokens                 host
+    host_loop.py        one step at a time from Python, with overlap                host
+    steps.py            the jitted draft / flattened verify / prefill steps          device
+    specjax.scheduling  the policies in numpy (references) and the SPS profile       host
+
+A step drafts γ tokens per slot, chooses each request's verification length ℓ, verifies the
+``Σ(1+ℓ)`` tokens in the smallest compiled token bucket (one flattened target forward), commits
+caches by lengths and emits the accepted tokens; stop tokens and max_new_tokens finish requests,
+whose slots are refilled from the queue (prefill in bucketed chunks).
+
+Static shapes: prefill is compiled once per chunk bucket, the device loop once (one branch per
+token bucket); :meth:`Engine.warmup` compiles all of them, after which a run compiles nothing
+(``tests/test_engine.py`` counts compilations).
+
+Exactness: a request's verification length depends only on confidences of drafts *before* the
+position being admitted (Algorithm 1 with early stop; the production form's budget comes from
+confidences two steps old), so every policy is lossless (docs/DESIGN.md, "Invariants").
+Temperature 0 requests are verified greedily (one-hot p and q: acceptance is exact match).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import time
+import warnings
+from typing import Iterable, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax import scheduling
+from specjax.drafters.base import Sampling
+from specjax.engine.device_driver import DeviceLoopMixin
+from specjax.engine.device_loop import slot_keys
+from specjax.engine.host_loop import HostLoopMixin
+from specjax.engine.requests import (CONFIDENCE_POLICIES, EngineConfig, LoopStats, Request, Result,
+                                     StepStats, _Live)
+from specjax.engine.steps import DeviceState, merge_rows, prefill_step, verify_step
+from specjax.models.kv_cache import init_cache
+
+_slot_keys_jit = jax.jit(slot_keys)  # salt traced: one compilation for every salt
+
+
+class Engine(HostLoopMixin, DeviceLoopMixin):
+    """Continuous-batching speculative decoding engine over S slots.
+
+    Args:
+      target: target :class:`~specjax.models.Transformer` (or ``(graphdef, state)``).
+      drafter, params, frozen: a drafter from :mod:`specjax.drafters`, its params and frozen
+        shared head (``None`` where the drafter has none).
+      config: :class:`EngineConfig`.
+    """
+
+    def __init__(self, target, drafter, params, frozen, config: EngineConfig = EngineConfig()):
+        self.graphdef, self.target_state = target if isinstance(target, tuple) else nnx.split(target)
+        self.model_config = nnx.merge(self.graphdef, self.target_state).config
+        self.drafter, self.params, self.frozen = drafter, params, frozen
+        self.config = config
+        if config.scheduler.policy in CONFIDENCE_POLICIES and \
+                not drafter.has_confidence:
+            raise ValueError(f"scheduler policy {config.scheduler.policy!r} needs a drafter with a "
+                             f"confidence head; {type(drafter).__name__} has none")
+        self.buckets = config.buckets
+        self.prefill_buckets = scheduling.validate_buckets(config.prefill_buckets)
+        s = config.num_slots
+        self.raise_errors = False
+        leaf_devices = jax.tree.leaves(self.target_state)[0].devices()
+        self._device = next(iter(leaf_devices)) if len(leaf_devices) == 1 else jax.devices()[0]
+        self._reset_device_state()
+        self.slots: list[Optional[_Live]] = [None] * s
+        self.queue: collections.deque[_Live] = collections.deque()
+        self.finished: dict[str, Result] = {}
+        self._ids = itertools.count()
+        self._draws = 0
+        self._key = jax.random.key(config.seed)
+        self._empty_draft = None
+        self._no_draft_rows: Optional[np.ndarray] = None  # bool [S]: rows forced to ℓ = 0
+        self._conf_prior = np.full(config.gamma, 0.5)  # production: confidences of new requests
+        self._conf_prior_seen = False
+        self._steps_without_draft = 0
+        self.sps: Optional[scheduling.SPSProfile] = None
+        self.sps_table = np.ones(self.buckets[-1] + 1)
+        self.sps_table_draft = self.sps_table  # SPS of a step that drafts (no profile: equal)
+        self.stats: list[StepStats] = []  # host loop: one per step
+        self.loop_stats: list[LoopStats] = []  # device loop: one per call
+        self._new_rows = np.zeros(s, bool)  # device loop: slots admitted since the last call
+        self._sps_dev = None
+
+    # ---------------------------------------------------------------------------------- requests
+    def submit(self, request: Request) -> str:
+        """Queues a request; returns its id. Bad requests raise ``ValueError`` immediately."""
+        self._validate(request)
+        rid = request.request_id or f"req-{next(self._ids)}"
+        request = dataclasses.replace(request, request_id=rid, prompt=list(request.prompt),
+                                      stop_tokens=tuple(request.stop_tokens))
+        if rid in self.finished or any(l.request.request_id == rid for l in self._all_live()):
+            raise ValueError(f"duplicate request_id {rid!r}")
+        live = _Live(request, Result(rid, [], "", submit_time=time.perf_counter()))
+        self.queue.append(live)
+        return rid
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancels a queued or running request (its slot is freed). Returns whether it existed."""
+        for live in list(self.queue):
+            if live.request.request_id == request_id:
+                self.queue.remove(live)
+                self._finish(live, "cancelled")
+                return True
+        for i, live in enumerate(self.slots):
+            if live is not None and live.request.request_id == request_id:
+                self._free(i, "cancelled")
+                return True
+        return False
+
+    def _all_live(self):
+        return [l for l in self.slots if l is not None] + list(self.queue)
+
+    def _validate(self, r: Request) -> None:
+        v = self.model_config.vocab_size
+        if len(r.prompt) == 0:
+            raise ValueError("Request.prompt must be non-empty")
+        if any((not isinstance(t, (int, np.integer))) or not 0 <= t < v for t in r.prompt):
+            raise ValueError(f"Request.prompt ids must be ints in [0, {v})")
+        if r.max_new_tokens < 1:
+            raise ValueError(f"Request.max_new_tokens must be ≥ 1, got {r.max_new_tokens}")
+        need = len(r.prompt) + r.max_new_tokens + self.config.gamma + 1
+        if need > self.config.max_len:
+            raise ValueError(f"prompt ({len(r.prompt)}) + max_new_tokens ({r.max_new_tokens}) + "
+                             f"gamma + 1 = {need} exceeds EngineConfig.max_len "
+                             f"{self.config.max_len}")
+        if r.temperature < 0:
+            raise ValueError(f"Request.temperature must be ≥ 0, got {r.temperature}")
+        if not self.config.filters and (r.top_k is not None or r.top_p is not None):
+            raise ValueError("this engine was built with EngineConfig.filters=False: "
+                             "top_k / top_p are not supported")
+        if r.top_k is not None and r.top_k < 1:
+            raise ValueError(f"Request.top_k must be ≥ 1, got {r.top_k}")
+        if r.top_p is not None and not 0 < r.top_p <= 1:
+            raise ValueError(f"Request.top_p must be in (0, 1], got {r.top_p}")
+
+    # ---------------------------------------------------------------------------------- helpers
+    def _sampling(self) -> Sampling:
+        """Per-slot sampling arrays (idle slots: temperature 1, no filters)."""
+        s = self.config.num_slots
+        temp = np.ones(s, np.float32)
+        top_k = np.full(s, self.model_config.vocab_size, np.int32)
+        top_p = np.ones(s, np.float32)
+        for i, live in enumerate(self.slots):
+            if live is not None:
+                r = live.request
+                temp[i] = r.temperature
+                top_k[i] = r.top_k if r.top_k is not None else self.model_config.vocab_size
+                top_p[i] = r.top_p if r.top_p is not None else 1.0
+        if not self.config.filters:
+            return Sampling(temperature=temp)
+        return Sampling(temperature=temp, top_k=top_k, top_p=top_p)
+
+    def _slot_keys(self, salt: int) -> jax.Array:
+        """One key per slot from the request's seed and its own step count (host-built, one call)."""
+        seeds = np.zeros(self.config.num_slots, np.uint32)
+        steps = np.zeros(self.config.num_slots, np.uint32)
+        for i, live in enumerate(self.slots):
+            if live is not None:
+                seeds[i], steps[i] = live.request.seed, live.verify_steps
+        return _slot_keys_jit(seeds, steps, np.uint32(salt))
+
+    def _next_key(self) -> jax.Array:
+        self._draws += 1
+        return jax.random.fold_in(self._key, self._draws)
+
+    # ---------------------------------------------------------------------------------- admission
+    def _admit(self) -> list[int]:
+        """Moves queued requests into free slots and prefills them. Returns the slots admitted."""
+        new = []
+        for i in range(self.config.num_slots):
+            if self.slots[i] is None and self.queue:
+                self.slots[i] = self.queue.popleft()
+                self.slots[i].result.admit_time = time.perf_counter()
+                self._new_rows[i] = True
+                new.append(i)
+        if not new:
+            return new
+        s = self.config.num_slots
+        first_chunk = True
+        while True:
+            remaining = {i: len(self.slots[i].request.prompt) - self.slots[i].prompt_done
+                         for i in new if self.slots[i] is not None}
+            todo = [i for i, n in remaining.items() if n > 0]
+            if not todo:
+                break
+            chunk = min(max(remaining[i] for i in todo), self.prefill_buckets[-1])
+            c = scheduling.pick_bucket(self.prefill_buckets, chunk)
+            tokens = np.zeros((s, c), np.int32)
+            num_valid = np.zeros(s, np.int32)
+            reset = np.zeros(s, bool)
+            nxt = np.zeros(s, np.int32)
+            is_last = np.zeros(s, bool)
+            for i in todo:
+                live = self.slots[i]
+                p = live.request.prompt
+                n = min(c, remaining[i])
+                tokens[i, :n] = p[live.prompt_done:live.prompt_done + n]
+                num_valid[i] = n
+                reset[i] = live.prompt_done == 0
+                is_last[i] = live.prompt_done + n == len(p)
+                if not is_last[i]:
+                    nxt[i] = p[live.prompt_done + n]
+                live.prompt_done += n
+            self.state, first = prefill_step(
+                self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
+                self.state, tokens, num_valid, reset, nxt, is_last, self._slot_keys(1),
+                self._sampling(), max_len=self.config.max_len, gamma=self.config.gamma)
+            first_chunk = False
+            first = np.asarray(first)
+            now = time.perf_counter()
+            for i in todo:
+                if is_last[i]:
+                    self._emit(i, [int(first[i])], now)
+        del first_chunk
+        return new
+
+    # ---------------------------------------------------------------------------------- finishing
+    def _emit(self, slot: int, tokens: Iterable[int], now: float) -> None:
+        live = self.slots[slot]
+        r, res = live.request, live.result
+        for t in tokens:
+            res.tokens.append(t)
+            res.token_times.append(now)
+            if res.first_token_time is None:
+                res.first_token_time = now
+            live.generated += 1
+            if t in r.stop_tokens:
+                self._free(slot, "stop")
+                return
+            if live.generated >= r.max_new_tokens:
+                self._free(slot, "length")
+                return
+
+    def _finish(self, live: _Live, reason: str, error: Optional[str] = None) -> None:
+        live.result.finish_reason = reason
+        live.result.error = error
+        live.result.finish_time = time.perf_counter()
+        live.result.steps = live.verify_steps
+        self.finished[live.request.request_id] = live.result
+
+    def _free(self, slot: int, reason: str, error: Optional[str] = None) -> None:
+        live = self.slots[slot]
+        self.slots[slot] = None
+        self._finish(live, reason, error)
+
+    # ---------------------------------------------------------------------------------- stepping
+    @property
+    def num_active(self) -> int:
+        return sum(l is not None for l in self.slots)
+
+    def has_work(self) -> bool:
+        return bool(self.queue) or self.num_active > 0
+
+    def step(self) -> Union[StepStats, LoopStats, None]:
+        """Admits, then runs one host step (``loop="host"``: drafts, schedules, verifies, emits) or
+        one device-loop call (``loop="device"``: up to ``loop_steps`` steps). Returns its stats.
+
+        If a device step fails, every request in a slot finishes with reason "error" (the message
+        kept), the device state is rebuilt, and the queue keeps being served; the exception is
+        re-raised only when ``raise_errors`` was set on the engine.
+        """
+        try:
+            return self._step() if self.config.loop == "host" else self._device_call()
+        except Exception as e:  # noqa: BLE001 - a device failure must not lose requests silently
+            msg = f"{type(e).__name__}: {e}"
+            for i, live in enumerate(self.slots):
+                if live is not None:
+                    self._free(i, "error", msg)
+            self._reset_device_state()
+            if self.raise_errors:
+                raise
+            warnings.warn(f"engine step failed, {msg}; its requests finished with 'error'")
+            return None
+
+    def _reset_device_state(self) -> None:
+        s = self.config.num_slots
+        # Committed to the device like every jitted step's outputs: an uncommitted input is a
+        # different compilation key, so warm-up on a fresh state would not cover later steps.
+        self.state = jax.device_put(DeviceState(
+            cache=init_cache(self.model_config, s, self.config.max_len),
+            drafter_state=self.drafter.init_state(s, self.config.max_len, self.config.gamma),
+            anchor=jnp.zeros((s,), jnp.int32)), self._device)
+        self._pending_draft = None
+        self._carry = None  # device loop: the last call's state (production's confidence history)
+        self._no_draft_rows = None
+        self._next_budget = None  # production: budget searched at the last pre-dispatch
+
+    def run(self, max_steps: Optional[int] = None) -> dict[str, Result]:
+        """Steps (device loop: calls) until no request is queued or running (or ``max_steps``);
+        returns the finished requests."""
+        n = 0
+        while self.has_work() and (max_steps is None or n < max_steps):
+            self.step()
+            n += 1
+        return self.finished
+
+    def generate(self, requests: Sequence[Request]) -> list[Result]:
+        """Submits the requests, runs to completion, returns their results in order."""
+        ids = [self.submit(r) for r in requests]
+        self.run()
+        return [self.finished.pop(i) for i in ids]
+
+    # ---------------------------------------------------------------------------------- warm-up
+    def warmup(self, *, profile: bool = True) -> None:
+        """Compiles every prefill chunk bucket and the step programs (host loop: drafting and every
+        verification bucket; device loop: the loop), on idle slots (nothing changes); then profiles
+        SPS per bucket unless ``profile=False`` (the device loop profiles only for the policies
+        that read SPS)."""
+        if self.num_active or self.queue:
+            raise RuntimeError("warmup() must run before requests are submitted")
+        s, g = self.config.num_slots, self.config.gamma
+        sampling = self._sampling()
+        keys = self._slot_keys(0)
+        for c in self.prefill_buckets:
+            z = np.zeros(s, np.int32)
+            self.state, _ = prefill_step(
+                self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
+                self.state, np.zeros((s, c), np.int32), z, np.zeros(s, bool), z,
+                np.zeros(s, bool), keys, sampling, max_len=self.config.max_len, gamma=g)
+        policy = self.config.scheduler.policy
+        if self.config.loop == "device":
+            profile = profile and policy in ("dspark", "production", "retrospective")
+            self._warmup_device_loop()
+            if not profile:
+                return
+        draft, dstate = self._draft()
+        if self.config.loop == "host" and self.config.overlap:  # admissions under overlap merge pre-dispatched drafter rows
+            merge_rows(self.drafter, np.zeros(s, bool), self.state.drafter_state, dstate,
+                       max_len=self.config.max_len, gamma=g)
+        idle = np.full(s, -1, np.int32)
+
+        def run_bucket(b):
+            self.state, res = verify_step(
+                self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
+                self.state, draft.tokens, draft.probs, idle, keys, sampling, bucket=b, gamma=g,
+                method=self.config.method)
+            jax.block_until_ready(res.tokens)
+
+        for b in self.buckets:
+            run_bucket(b)
+        if profile:
+            key = (f"{jax.devices()[0].device_kind}/{self.model_config}/"
+                   f"{type(self.drafter).__name__}/S{s}/g{g}/L{self.config.max_len}")
+            self.sps = scheduling.profile_sps(
+                run_bucket, self.buckets, key=key, reps=self.config.profile_reps, warmup=0,
+                cache_path=self.config.sps_cache,
+                run_draft=lambda: jax.block_until_ready(self._draft()))
+            self.sps_table, self.sps_table_draft = self.sps.table(), self.sps.table_with_draft()
+            self._device_sps()
+
+    def set_sps(self, profile: scheduling.SPSProfile) -> None:
+        """Uses a given SPS profile (e.g. a hand-made one in tests)."""
+        if list(profile.buckets) != self.buckets:
+            raise ValueError(f"profile buckets {profile.buckets} != engine buckets {self.buckets}")
+        self.sps, self.sps_table = profile, profile.table()
+        self.sps_table_draft = profile.table_with_draft()
+        if self.config.loop == "device":
+            self._device_sps()

@@ -1,0 +1,205 @@
+"""The host loop: one engine step at a time, dispatched from Python (``EngineConfig.loop="host"``).
+
+Per step::
+
+    draft     every slot drafts γ tokens (q, confidences)                         device
+    schedule  each active request's verification length ℓ_r (policy, numpy)       host
+    verify    pack Σ(1+ℓ_r) tokens into the smallest token bucket ≥ it; one
+              flattened target forward; rejection / target-only per request;
+              commit caches and lengths                                           device
+    emit      append emitted tokens; stop tokens / max_new_tokens finish a
+              request and free its slot                                           host
+
+Overlap (``EngineConfig.overlap``): after dispatching step t's verification, the engine dispatches
+step t+1's drafting before it reads step t's tokens back, so the device drafts while the host
+emits, finishes and admits. Rows admitted in between keep their prefilled drafter state and
+verify no drafts on their first step (ℓ = 0), which decides nothing from a draft.
+
+The policies are the numpy references of :mod:`specjax.scheduling`; every step records
+:class:`~specjax.engine.requests.StepStats` (host scheduling cost, waits, bucket).
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import jax
+import numpy as np
+
+from specjax import scheduling
+from specjax.drafters.base import DraftOutput
+from specjax.engine.requests import CONFIDENCE_POLICIES, StepStats
+from specjax.engine.steps import DeviceState, draft_step, merge_rows, verify_step
+
+
+class HostLoopMixin:
+    """The host-loop half of :class:`~specjax.engine.engine.Engine` (uses its slots and queue)."""
+
+    def _draft(self):
+        g = self.config.gamma
+        return draft_step(self.drafter, self.params, self.frozen, self.state.drafter_state,
+                          self._next_key(), self._sampling(), gamma=g,
+                          argmax=self.config.method == "target_only")
+
+    def _no_draft(self) -> DraftOutput:
+        """Placeholder drafts for the "none" policy (never verified: ℓ = 0)."""
+        if self._empty_draft is None:
+            s, g, v = self.config.num_slots, self.config.gamma, self.model_config.vocab_size
+            # device_put of host zeros: nothing to compile after warm-up (jnp.zeros would)
+            self._empty_draft = DraftOutput(jax.device_put(np.zeros((s, g), np.int32), self._device),
+                                            jax.device_put(np.zeros((s, g, v), np.float32),
+                                                           self._device), None)
+        return self._empty_draft
+
+    def _host_confidences(self, draft) -> Optional[np.ndarray]:
+        """The drafts' confidences ``[S, γ]`` on the host when the policy uses them (this waits
+        for the device to finish drafting), else None."""
+        if self.drafter.has_confidence and draft.confidences is not None and \
+                self.config.scheduler.policy in CONFIDENCE_POLICIES:
+            return np.asarray(draft.confidences, np.float64)
+        return None
+
+    def _rows_and_caps(self) -> tuple[np.ndarray, np.ndarray]:
+        """Active slots and their caps on ℓ (a request that needs m more tokens gains nothing
+        from verifying more than m - 1 drafts)."""
+        rows = np.array([i for i, l in enumerate(self.slots) if l is not None], np.int64)
+        cap = np.array([min(self.config.gamma, self.slots[i].request.max_new_tokens
+                            - self.slots[i].generated - 1) for i in rows], np.int64)
+        return rows, np.maximum(cap, 0)
+
+    def _production_budget(self) -> int:
+        """The production policy's draft-token budget for the next verification, from each
+        running request's confidences of two steps earlier (never from the drafts it will
+        admit). 0 means the step does not draft at all (scored without the drafting cost);
+        every ``explore_every``-th step without drafting drafts anyway (a step count only)."""
+        rows, cap = self._rows_and_caps()
+        if not len(rows):
+            return 0
+        stale = np.stack([self._stale_conf(i) for i in rows])
+        budget = scheduling.budget_search(stale, self.sps_table, cap, self.sps_table_draft)
+        every = self.config.scheduler.explore_every
+        if budget == 0 and every and self._steps_without_draft + 1 >= every:
+            budget = scheduling.budget_search(stale, self.sps_table, cap)
+        return budget
+
+    def _schedule(self, conf_all: Optional[np.ndarray], budget: Optional[int] = None) -> np.ndarray:
+        """ℓ per slot (-1 idle) from the policy; capped so no request overshoots max_new_tokens.
+
+        ``conf_all``: float ``[S, γ]`` confidences already on the host (or None).
+        ``budget``: the production policy's budget (from :meth:`_production_budget`).
+        """
+        cfg = self.config
+        rows, cap = self._rows_and_caps()
+        if self._no_draft_rows is not None:
+            cap = np.where(self._no_draft_rows[rows], 0, cap)
+        conf = None if conf_all is None else conf_all[rows]
+        if conf is None:
+            conf = np.ones((len(rows), cfg.gamma))
+        if cfg.scheduler.policy == "production":
+            if not budget or conf_all is None:  # budget 0: nothing was drafted this step
+                lengths = np.zeros(len(rows), np.int64)
+            else:
+                lengths = scheduling.top_budget_admission(conf, budget, cap)
+                fresh = [j for j, i in enumerate(rows)
+                         if self._no_draft_rows is None or not self._no_draft_rows[i]]
+                for j in fresh:
+                    self.slots[rows[j]].conf_history.append(conf[j])
+                if fresh:  # moving average over steps (the first one replaces the 0.5 guess)
+                    w = 0.1 if self._conf_prior_seen else 1.0
+                    self._conf_prior = (1 - w) * self._conf_prior + w * conf[fresh].mean(axis=0)
+                    self._conf_prior_seen = True
+        else:
+            lengths = scheduling.schedule(cfg.scheduler, conf, self.sps_table, max_len=cap)
+        out = np.full(cfg.num_slots, -1, np.int32)
+        out[rows] = lengths
+        return out
+
+    def _stale_conf(self, slot: int) -> np.ndarray:
+        """Confidences this request's drafter produced two steps ago; before it has two, the
+        running mean of all requests' past confidences (0.5 before any)."""
+        hist = self.slots[slot].conf_history
+        if len(hist) >= 2:
+            return hist[-2]
+        return self._conf_prior
+
+    def _step(self) -> Optional[StepStats]:
+        t0 = time.perf_counter()
+        admitted = self._admit()
+        if self.num_active == 0:
+            return None
+        policy = self.config.scheduler.policy
+        budget, budget_s = None, 0.0
+        if policy == "production":  # decided before drafting: budget 0 skips the draft step
+            tb = time.perf_counter()
+            if self._next_budget is not None and not admitted:
+                # Searched during the last step's device work (pre-dispatch) over these rows
+                # and any that have since finished: still a budget fixed before these drafts.
+                budget = self._next_budget
+            else:
+                budget = self._production_budget()
+            self._next_budget = None
+            budget_s = time.perf_counter() - tb
+        drafted = not (policy == "none" or budget == 0)
+        if not drafted:
+            # Plain decoding through the same verification step: no drafting cost at all (a
+            # draft pre-dispatched at the last step is dropped; the drafter state is the one
+            # before it).
+            self._pending_draft = (self._no_draft(), self.state.drafter_state)
+        elif self._pending_draft is None or self.num_active == len(admitted):
+            self._pending_draft = self._draft()  # (no earlier row would use the pre-dispatched)
+        elif admitted:
+            # The drafts pre-dispatched at the last step (overlap) predate these admissions. The
+            # other rows' drafts stay valid (prefill leaves their drafter state untouched); the
+            # admitted rows keep their prefilled drafter state and verify no drafts this step
+            # (ℓ = 0: their first step is plain decoding), which decides nothing from a draft.
+            draft, dstate_after = self._pending_draft
+            mask = np.zeros(self.config.num_slots, bool)
+            mask[admitted] = True
+            self._no_draft_rows = mask
+            self._pending_draft = (draft, merge_rows(
+                self.drafter, mask, self.state.drafter_state, dstate_after,
+                max_len=self.config.max_len, gamma=self.config.gamma))
+        draft, dstate_after = self._pending_draft
+        self._pending_draft = None
+        tw = time.perf_counter()
+        conf = self._host_confidences(draft) if drafted else None  # device time (drafting)
+        ts = time.perf_counter()
+        num_draft = self._schedule(conf, budget)
+        n_tokens = int(np.sum(num_draft[num_draft >= 0] + 1))
+        bucket = scheduling.pick_bucket(self.buckets, n_tokens)
+        schedule_s = time.perf_counter() - ts + budget_s
+        sampling = self._sampling()
+        keys = self._slot_keys(2)
+        self.state = DeviceState(self.state.cache, dstate_after, self.state.anchor)
+        self.state, result = verify_step(
+            self.graphdef, self.target_state, self.drafter, self.params, self.frozen, self.state,
+            draft.tokens, draft.probs, num_draft, keys, sampling, bucket=bucket,
+            gamma=self.config.gamma, method=self.config.method)
+        self._steps_without_draft = 0 if drafted else self._steps_without_draft + 1
+        overlap_s = 0.0
+        if self.config.overlap and policy != "none":
+            tb = time.perf_counter()
+            # production: pre-dispatch only if the next step (same rows) will want drafts
+            want = True
+            if policy == "production":
+                self._next_budget = self._production_budget()
+                want = self._next_budget > 0
+            overlap_s = time.perf_counter() - tb  # host work while the device verifies
+            if want:
+                self._pending_draft = self._draft()  # queued behind verification on the device
+        tokens = np.asarray(result.tokens)
+        accepted = np.asarray(result.num_accepted)
+        now = time.perf_counter()
+        for i in np.flatnonzero(num_draft >= 0):
+            live = self.slots[i]
+            live.verify_steps += 1
+            live.result.accepted += int(accepted[i])
+            self._emit(i, tokens[i, :accepted[i] + 1].tolist(), now)
+        self._no_draft_rows = None
+        stats = StepStats(active=int(np.sum(num_draft >= 0)), bucket=bucket, tokens=n_tokens,
+                          drafts_verified=int(np.sum(np.maximum(num_draft, 0))),
+                          accepted=int(np.sum(accepted)), schedule_s=schedule_s,
+                          step_s=time.perf_counter() - t0, draft_wait_s=ts - tw,
+                          drafted=drafted, schedule_overlap_s=overlap_s)
+        self.stats.append(stats)
+        return stats

@@ -1,0 +1,180 @@
+"""Requests, results and engine configuration: the host-side vocabulary of the engine.
+
+A :class:`Request` is submitted, queued, admitted into one of S slots, decoded, and finishes as a
+:class:`Result`. :class:`EngineConfig` fixes the engine's static shapes and policy.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Optional, Sequence
+
+from specjax import scheduling
+from specjax.scheduling import SchedulerConfig
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+CONFIDENCE_POLICIES = ("threshold", "dspark", "production", "retrospective")
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation request.
+
+    prompt: token ids (non-empty). max_new_tokens: ≥ 1. stop_tokens: generation ends after any of
+    them (kept in the output). temperature (0 = greedy), top_k, top_p: the sampling transform,
+    applied identically to target and drafts. seed: the request's verification and first-token
+    randomness. request_id: assigned by the engine when None.
+    """
+
+    prompt: Sequence[int]
+    max_new_tokens: int = 32
+    stop_tokens: Sequence[int] = ()
+    temperature: float = 1.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    seed: int = 0
+    request_id: Optional[str] = None
+
+
+@dataclasses.dataclass
+class Result:
+    """A finished request.
+
+    tokens: generated ids. finish_reason: one of FINISH_REASONS. error: message when "error".
+    submit_time, admit_time (moved into a slot), first_token_time, finish_time:
+    ``time.perf_counter()`` stamps.
+    token_times: emission time of every generated token (tokens of one step share a stamp).
+    steps: verification steps the request took part in; accepted: drafts accepted in total.
+    """
+
+    request_id: str
+    tokens: list
+    finish_reason: str
+    error: Optional[str] = None
+    submit_time: float = 0.0
+    admit_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
+    token_times: list = dataclasses.field(default_factory=list)
+    steps: int = 0
+    accepted: int = 0
+
+    @property
+    def ttft(self) -> Optional[float]:
+        return None if self.first_token_time is None else self.first_token_time - self.submit_time
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine shape and policy.
+
+    num_slots: S requests decoded at once. max_len: cache positions per slot (prompt + new tokens
+    + γ + 1 must fit). gamma: drafts per step. token_buckets: compiled verification batch sizes
+    (default: powers of two from 8 to S·(γ+1)); the largest must hold S·(γ+1).
+    prefill_buckets: compiled prompt chunk sizes (longer prompts are fed in chunks of the largest).
+    method: "rejection" or "target_only". scheduler: the verification-length policy.
+    overlap: pre-dispatch the next draft while the host processes the current step.
+    sps_cache: JSON path for the SPS profile (reused when device and model match).
+    profile_reps: timed repetitions per bucket when profiling. seed: drafting randomness.
+    filters: compile top-k / top-p support (a sort over V per position); False serves
+    temperature-only requests faster and rejects requests that set top_k / top_p.
+    loop: "device" runs up to ``loop_steps`` steps per call inside one jitted ``lax.while_loop``
+    (:mod:`specjax.engine.device_loop`; the host only admits, streams and finishes); "host"
+    dispatches one step at a time from Python (with ``overlap``; interactive serving with
+    per-step stats).
+    loop_steps: device loop: steps per call before the host streams the tokens out.
+    """
+
+    num_slots: int = 8
+    max_len: int = 512
+    gamma: int = 4
+    token_buckets: Optional[tuple] = None
+    prefill_buckets: tuple = (16, 64, 256)
+    method: str = "rejection"
+    scheduler: SchedulerConfig = SchedulerConfig()
+    overlap: bool = True
+    sps_cache: Optional[str] = None
+    profile_reps: int = 5
+    seed: int = 0
+    filters: bool = True
+    loop: str = "device"
+    loop_steps: int = 16
+
+    def __post_init__(self):
+        if self.loop not in ("device", "host"):
+            raise ValueError(f"EngineConfig.loop must be 'device' or 'host', got {self.loop!r}")
+        if self.loop_steps < 1:
+            raise ValueError(f"EngineConfig.loop_steps must be ≥ 1, got {self.loop_steps}")
+        if self.num_slots < 1:
+            raise ValueError(f"EngineConfig.num_slots must be ≥ 1, got {self.num_slots}")
+        if self.gamma < 1:
+            raise ValueError(f"EngineConfig.gamma must be ≥ 1, got {self.gamma}")
+        if self.method not in ("rejection", "target_only"):
+            raise ValueError(f"EngineConfig.method must be 'rejection' or 'target_only', "
+                             f"got {self.method!r}")
+        if self.max_len < self.gamma + 2:
+            raise ValueError(f"EngineConfig.max_len {self.max_len} too small for gamma {self.gamma}")
+        scheduling.validate_buckets(self.prefill_buckets)
+        if self.token_buckets is not None:
+            b = scheduling.validate_buckets(self.token_buckets)
+            if b[-1] < self.num_slots * (self.gamma + 1):
+                raise ValueError(
+                    f"EngineConfig.token_buckets: the largest bucket {b[-1]} must hold "
+                    f"num_slots * (gamma + 1) = {self.num_slots * (self.gamma + 1)} tokens")
+
+    @property
+    def buckets(self) -> list[int]:
+        if self.token_buckets is not None:
+            return scheduling.validate_buckets(self.token_buckets)
+        return scheduling.default_buckets(self.num_slots * (self.gamma + 1),
+                                          min_bucket=min(8, self.num_slots))
+
+
+@dataclasses.dataclass
+class _Live:
+    """Host bookkeeping of a request in a slot."""
+
+    request: Request
+    result: Result
+    prompt_done: int = 0  # prompt tokens fed so far
+    generated: int = 0
+    verify_steps: int = 0
+    conf_history: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=3))
+
+
+@dataclasses.dataclass
+class StepStats:
+    """Per-step host/device timing (seconds) and batch composition."""
+
+    active: int
+    bucket: int
+    tokens: int
+    drafts_verified: int
+    accepted: int
+    schedule_s: float  # host time of the scheduling policy + bucket pick (numpy only)
+    step_s: float
+    draft_wait_s: float = 0.0  # time blocked on the device for the drafts' confidences
+    drafted: bool = True  # False: plain decoding step ("none", or a production budget of 0)
+    # scheduler host work done while the device verifies (overlap: the next production budget);
+    # off the critical path on an accelerator, competing for the same cores on a CPU backend
+    schedule_overlap_s: float = 0.0
+
+
+@dataclasses.dataclass
+class LoopStats:
+    """One call of the device loop (``EngineConfig.loop = "device"``).
+
+    steps: engine steps run on the device. draft_steps: how many of them drafted (production
+    skips drafting at budget 0). tokens: tokens emitted. active: slots active at entry.
+    drafted, accepted: int ``[γ]`` drafts verified / accepted per draft position, summed over
+    slots and steps. wall_s: host wall time of the call (dispatch to read-back).
+    """
+
+    steps: int
+    draft_steps: int
+    tokens: int
+    active: int
+    drafted: list
+    accepted: list
+    wall_s: float

@@ -1,0 +1,144 @@
+"""Attention math and the cached attention whose cost follows the context, not ``max_len``.
+
+Three pieces:
+
+* :func:`grouped_attention`: dense grouped-query attention with a boolean mask (training, scoring
+  and the jnp reference of every cached mode).
+* :func:`write_kv`: writes one layer's new keys/values into the whole layered cache array
+  ``[layers, slots, max_len, kv_heads, head_dim]`` at ``(layer, slot, position)``. One scatter into
+  the full array, so under buffer donation (or as a ``lax.while_loop`` carry) XLA updates it in
+  place: a step moves the bytes of its new tokens, not a copy of the cache.
+* :func:`windowed_attention`: attends queries to the first ``W`` positions of every slot, where
+  ``W`` is the smallest *window bucket* that covers the longest context in the batch
+  (:func:`kv_windows`; a ``lax.switch`` over one branch per bucket). Positions ``>= W`` are never
+  read, so attention costs ``S · W`` key reads, not ``S · max_len``.
+
+Why length buckets over the slot-contiguous cache rather than a paged cache with block tables: on a
+CPU (and for the dense jnp path on any backend) a slice ``[:, :W]`` of a contiguous slot row is
+one cheap strided read that XLA fuses into the score matmul, while a block-table gather costs a
+gather per page. The contiguous layout *is* a paged layout with the trivial block table
+``page_table[s] = s · (max_len / page) + arange(max_len / page)`` (see
+:func:`contiguous_page_table`), so a paged kernel such as jax's ``ragged_paged_attention`` reads
+the same buffer with per-sequence lengths and no bucketing. The price of buckets is the padding
+to the next power of two and the ragged batch paying for its longest row.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from einops import rearrange
+
+_NEG_INF = -1e30
+
+# The smallest window bucket: below it the switch costs more than the keys it saves.
+MIN_WINDOW = 128
+
+
+def attention_weights_mask(q_pos, k_pos, q_seg=None, k_seg=None, k_valid=None):
+    """Boolean mask ``[B, T, S]``: key visible to query (causal by position, same segment)."""
+    mask = k_pos[:, None, :] <= q_pos[:, :, None]
+    if q_seg is not None:
+        mask &= q_seg[:, :, None] == k_seg[:, None, :]
+    if k_valid is not None:
+        mask &= k_valid[:, None, :]
+    return mask
+
+
+def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention.
+
+    Args:
+      q: ``[B, T, H, Dh]``; k, v: ``[B, S, KVH, Dh]``; mask: bool ``[B, T, S]``.
+    Returns:
+      ``[B, T, H, Dh]`` in q's dtype. Softmax in f32; rows with no visible key give zeros.
+    """
+    dh = q.shape[-1]
+    kvh = k.shape[2]
+    qg = rearrange(q, "b t (k g) d -> b t k g d", k=kvh)  # query heads grouped by their KV head
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (dh ** -0.5)
+    m = mask[:, None, None, :, :]
+    scores = jnp.where(m, scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(m, probs, 0.0)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    return rearrange(out, "b t k g d -> b t (k g) d").astype(q.dtype)
+
+
+def kv_windows(max_len: int, min_window: int = MIN_WINDOW) -> tuple[int, ...]:
+    """Window buckets for a cache of ``max_len`` positions: powers of two from ``min_window``
+    below ``max_len``, then ``max_len`` itself (static; one attention branch each)."""
+    if max_len <= 0:
+        raise ValueError(f"max_len must be positive, got {max_len}")
+    out, w = [], min_window
+    while w < max_len:
+        out.append(w)
+        w *= 2
+    out.append(max_len)
+    return tuple(out)
+
+
+def write_kv(k_all: jax.Array, v_all: jax.Array, layer: int, slots: jax.Array,
+             positions: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Scatters one layer's new entries into the layered cache (in place under donation).
+
+    Args:
+      k_all, v_all: ``[layers, slots, max_len, kv_heads, head_dim]``.
+      layer: static layer index.
+      slots, positions: int32, same shape ``[...]``: where each new entry goes. Positions
+        ``>= max_len`` (padding) are dropped, never clamped onto valid entries.
+      k, v: ``[..., kv_heads, head_dim]``.
+    """
+    k_all = k_all.at[layer, slots, positions].set(k.astype(k_all.dtype), mode="drop")
+    v_all = v_all.at[layer, slots, positions].set(v.astype(v_all.dtype), mode="drop")
+    return k_all, v_all
+
+
+def windowed_attention(q: jax.Array, q_pos: jax.Array, k_all: jax.Array, v_all: jax.Array,
+                       layer: int, windows: Sequence[int], need: jax.Array) -> jax.Array:
+    """Causal attention of each slot's queries to its cached keys, reading only a window.
+
+    Args:
+      q: ``[S, T, H, Dh]`` queries of each slot (rows = cache slots).
+      q_pos: int32 ``[S, T]`` query positions (a query sees cached positions ``<= q_pos``).
+      k_all, v_all: layered cache ``[layers, S, max_len, KVH, Dh]`` (this call's keys written).
+      layer: static layer index.
+      windows: static window buckets (:func:`kv_windows`), ascending, the last ``= max_len``.
+      need: int32 scalar, how many leading positions must be visible (max over the batch of the
+        last real query position + 1). The smallest window ``>= need`` is used.
+    Returns:
+      ``[S, T, H, Dh]``.
+    """
+    s, t = q_pos.shape
+
+    def branch(w: int):
+        def run(q, q_pos, k_all, v_all):
+            # One slice of exactly the window: never materialise the layer's whole row.
+            k = jax.lax.slice_in_dim(k_all[layer:layer + 1], 0, w, axis=2)[0]
+            v = jax.lax.slice_in_dim(v_all[layer:layer + 1], 0, w, axis=2)[0]
+            k_pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (s, w))
+            mask = attention_weights_mask(q_pos, k_pos)
+            return grouped_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+        return run
+
+    if len(windows) == 1:
+        return branch(windows[0])(q, q_pos, k_all, v_all)
+    idx = jnp.searchsorted(jnp.asarray(windows, jnp.int32), need.astype(jnp.int32), side="left")
+    idx = jnp.minimum(idx, len(windows) - 1)
+    return jax.lax.switch(idx, [branch(w) for w in windows], q, q_pos, k_all, v_all)
+
+
+def contiguous_page_table(num_slots: int, max_len: int, page_size: int) -> jax.Array:
+    """Block table that reads the slot-contiguous cache as pages: ``int32 [S, max_len/page]``.
+
+    Slot s's page j is page ``s · (max_len / page) + j`` of the cache reshaped to
+    ``[S · max_len / page, page, KVH, Dh]`` (a free reshape of one layer's ``[S, max_len, ...]``).
+    """
+    if max_len % page_size:
+        raise ValueError(f"max_len {max_len} must be a multiple of page_size {page_size}")
+    per = max_len // page_size
+    return (jnp.arange(num_slots, dtype=jnp.int32)[:, None] * per
+            + jnp.arange(per, dtype=jnp.int32)[None, :])
