@@ -51,7 +51,8 @@ def load_models(args):
     """(target (graphdef, params), drafter, params, frozen, gamma)."""
     from specjax.drafters import DSparkConfig, DSparkDrafter, shared_head
     if args.drafter_workdir:
-        from specjax.training.drafter_task import load_drafter, load_target
+        from specjax.training.drafter_run import load_drafter
+        from specjax.training.drafter_task import load_target
         drafter, params, task = load_drafter(args.drafter_workdir)
         target = load_target(task.target_config, args.target_workdir or "")
         if not args.target_workdir:

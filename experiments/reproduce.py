@@ -250,7 +250,7 @@ def drafter_config(mode: Mode, variant: str, *, target_workdir: str, train_path:
 def train(name: str, config, workdir: str, timings: dict) -> str:
     """Trains one drafter run unless it is already finished; returns its workdir."""
     from specjax.training.checkpoint import Checkpointer
-    from specjax.training.drafter_task import run_drafter
+    from specjax.training.drafter_run import run_drafter
     wd = os.path.join(workdir, "drafters", name)
     ck = os.path.join(wd, "checkpoints")
     if os.path.isdir(ck):

@@ -41,7 +41,8 @@ from specjax.training import metrics as metrics_lib
 from specjax.training import sharding as sharding_lib
 from specjax.training.config import ConfigError, validate_config
 from specjax.training.optimizer import current_learning_rate, make_optimizer
-from specjax.training.tasks import LOSS_WEIGHT, TrainTask, make_task
+from specjax.training.registry import make_task
+from specjax.training.tasks import LOSS_WEIGHT, TrainTask
 
 PyTree = Any
 # Called after every step (after any checkpoint save was started): hook(trainer, step, state).
