@@ -8,7 +8,7 @@ One driver::
 Steps (each is skipped when its outputs exist, so re-running resumes):
 
 1. **Target.** Reuse a finished target checkpoint (``--target_workdir``, or the cache
-   ``~/.cache/specjax/targets/<mode>-<config hash>``), else pretrain it with
+   ``~/.cache/specjax/targets/<mode>-<hash of config and code>``), else pretrain it with
    ``experiments/configs/pretrain_target.py`` (``:tiny`` in tiny mode) into that cache.
 2. **Data.** Token rows (one document piece per row) from the embedded corpus with the target's
    tokenizer: ``data/train.npz`` (train split) and ``data/heldout.npz`` (held-out split). With
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import os
 import platform
@@ -102,11 +101,6 @@ def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _config_hash(config) -> str:
-    return hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str)
-                          .encode()).hexdigest()[:10]
-
-
 def machine_info() -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(),
             "cpus": os.cpu_count()}
@@ -128,6 +122,17 @@ def machine_info() -> dict:
 # ------------------------------------------------------------------------------------------------
 # steps
 # ------------------------------------------------------------------------------------------------
+def target_cache_dir(mode: Mode, config) -> str:
+    """Where the target of ``config`` is cached: ``$SPECJAX_TARGET_CACHE`` (default
+    ``~/.cache/specjax/targets``) ``/<mode>-<key>``, the key hashing the config and the code that
+    trains it (:data:`specjax.code_version.TARGET_SOURCES`)."""
+    from specjax.code_version import TARGET_SOURCES, artefact_key
+    base = os.environ.get("SPECJAX_TARGET_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "specjax", "targets")
+    return os.path.join(base, f"{mode.target_arg or 'full'}-"
+                              f"{artefact_key(config.to_dict(), TARGET_SOURCES)}")
+
+
 def ensure_target(mode: Mode, target_workdir: Optional[str], timings: dict) -> str:
     """A finished target workdir (pretraining it into the cache if needed)."""
     import importlib
@@ -148,9 +153,7 @@ def ensure_target(mode: Mode, target_workdir: Optional[str], timings: dict) -> s
     config = cfg_mod.get_config(mode.target_arg or None)
     config.output.progress_bar = False
     if target_workdir is None:
-        base = os.environ.get("SPECJAX_TARGET_CACHE") or os.path.join(
-            os.path.expanduser("~"), ".cache", "specjax", "targets")
-        target_workdir = os.path.join(base, f"{mode.target_arg or 'full'}-{_config_hash(config)}")
+        target_workdir = target_cache_dir(mode, config)
     ck = os.path.join(target_workdir, "checkpoints")
     done = False
     if os.path.isdir(ck):
