@@ -2,8 +2,8 @@ r"""Reproduce Bebop Table 2, DSpark Table 1 and DSpark Fig. 6 on the embedded ta
 
 One driver::
 
-    python -m experiments.reproduce --mode tiny --workdir /tmp/specjax/repro_tiny   # minutes
-    python -m experiments.reproduce --mode full --workdir /tmp/specjax/repro_full   # see docs/RESULTS.md
+    python -m experiments.reproduce --mode tiny --workdir runs/repro_tiny   # minutes
+    python -m experiments.reproduce --mode full --workdir runs/repro_full   # see docs/RESULTS.md
 
 Steps (each is skipped when its outputs exist, so re-running resumes):
 
@@ -41,6 +41,8 @@ import time
 from typing import Optional
 
 import numpy as np
+
+from specjax.paths import portable_argv, portable_path
 
 DOMAINS = ("math", "code", "prose", "all")  # "all" = the three pooled
 BEBOP_LOSSES = ("ce", "kl", "rkl", "tv", "e2e_tv")
@@ -499,8 +501,9 @@ def main(argv=None) -> dict:
     heldout = OE.load_heldout(heldout_path, max_rows=mode.eval_rows)
     results_root = os.path.join(workdir, "results")
     summary = {"mode": args.mode, "mode_config": dataclasses.asdict(mode), "machine": info,
-               "command": " ".join(["python -m experiments.reproduce"] + (argv or sys.argv[1:])),
-               "target_workdir": target_workdir, "timings": timings}
+               "command": " ".join(["python -m experiments.reproduce"]
+                                   + portable_argv(argv or sys.argv[1:])),
+               "target_workdir": portable_path(target_workdir), "timings": timings}
 
     # -- Bebop -----------------------------------------------------------------------------------
     runs = {}

@@ -2,11 +2,11 @@
 
 Usage::
 
-    trainer = Trainer(config, workdir="/tmp/run")          # validates config, builds mesh + jit fns
+    trainer = Trainer(config, workdir="runs/run")          # validates config, builds mesh + jit fns
     state = trainer.train(train_iter, eval_batches)          # resumes from workdir if possible
     trainer.last_eval                                        # {domain: {"ce": ..., ...}}
 
-Everything on the device is a pure function of pytrees (DESIGN invariant 3):
+Everything on the device is a pure function of pytrees (docs/DESIGN.md, "Invariants" 3):
 
 * :class:`TrainState` ``(step, params, opt_state, rng)`` is created by
   ``jax.jit(init_fn, out_shardings=state_shardings)`` — born sharded, and with exactly the
