@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from specjax.engine import Engine, EngineConfig, Request
+from specjax.paths import portable_argv, portable_values
 from specjax.scheduling import SchedulerConfig
 
 POLICIES = {
@@ -51,7 +52,8 @@ def load_models(args):
     """(target (graphdef, params), drafter, params, frozen, gamma)."""
     from specjax.drafters import DSparkConfig, DSparkDrafter, shared_head
     if args.drafter_workdir:
-        from specjax.training.drafter_task import load_drafter, load_target
+        from specjax.training.drafter_run import load_drafter
+        from specjax.training.drafter_task import load_target
         drafter, params, task = load_drafter(args.drafter_workdir)
         target = load_target(task.target_config, args.target_workdir or "")
         if not args.target_workdir:
@@ -226,8 +228,9 @@ def main(argv=None):
     stop = tuple(int(t) for t in args.stop_tokens.split(",") if t.strip())
     pols = args.policies.split(",")
     report = {"machine": _machine(), "backend":
-              jax.default_backend(), "gamma": gamma, "args": vars(args), "closed_loop": {},
-              "overlap": {}, "poisson": {}, "argv": list(argv) if argv is not None else sys.argv[1:]}
+              jax.default_backend(), "gamma": gamma, "args": portable_values(vars(args)), "closed_loop": {},
+              "overlap": {}, "poisson": {},
+              "argv": portable_argv(list(argv) if argv is not None else sys.argv[1:])}
     max_len = args.prompt_len + args.max_new_tokens + gamma + 2
     for c in conc:
         prompts = load_prompts(args, vocab, args.requests_per_slot * c)
@@ -343,7 +346,7 @@ def write_markdown(report: dict, path: str, argv) -> None:
 
 
 def goals(report: dict, policies=("dspark", "production")) -> dict:
-    """The issue's goals per confidence policy, from the closed-loop medians (no thresholds here).
+    """The serving goals per confidence policy, from the closed-loop medians (no thresholds here).
 
     * ``vs_best_fixed[C]``: the policy's aggregate / the best fixed-K (fixed*, mtp1) aggregate.
     * ``vs_none_at_max``: its aggregate / no-speculation aggregate at the highest C.

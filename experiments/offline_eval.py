@@ -54,7 +54,7 @@ def load_heldout(eval_file: str, domains: Sequence[str] = DOMAINS,
 
 def load_trained(workdir: str, target_params):
     """``(drafter, params, frozen, gamma)`` of a drafter run, paired with the given target."""
-    from specjax.training.drafter_task import load_drafter
+    from specjax.training.drafter_run import load_drafter
     drafter, params, task = load_drafter(workdir)
     return drafter, params, task.shared_head({"target": target_params}), task.gamma
 

@@ -28,9 +28,15 @@ from specjax.data.math_problems import check_answer, extract_answer
 
 
 def _workdir(tiny: bool) -> str:
+    """The target's cache dir, keyed on its config and the code that trains it (a change to
+    either trains a fresh target instead of reusing a stale one)."""
+    from experiments.configs import pretrain_target
+    from specjax.code_version import TARGET_SOURCES, artefact_key
+    config = pretrain_target.get_config("tiny" if tiny else None)
     base = os.environ.get("SPECJAX_QUICKSTART_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "specjax", "quickstart")
-    return os.path.join(base, "target_tiny" if tiny else "target")
+    key = artefact_key(config.to_dict(), TARGET_SOURCES)
+    return os.path.join(base, f"target_tiny-{key}" if tiny else f"target-{key}")
 
 
 def train_target(tiny: bool):

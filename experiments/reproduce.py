@@ -2,13 +2,13 @@ r"""Reproduce Bebop Table 2, DSpark Table 1 and DSpark Fig. 6 on the embedded ta
 
 One driver::
 
-    python -m experiments.reproduce --mode tiny --workdir /tmp/specjax/repro_tiny   # minutes
-    python -m experiments.reproduce --mode full --workdir /tmp/specjax/repro_full   # see docs/RESULTS.md
+    python -m experiments.reproduce --mode tiny --workdir runs/repro_tiny   # minutes
+    python -m experiments.reproduce --mode full --workdir runs/repro_full   # see docs/RESULTS.md
 
 Steps (each is skipped when its outputs exist, so re-running resumes):
 
 1. **Target.** Reuse a finished target checkpoint (``--target_workdir``, or the cache
-   ``~/.cache/specjax/targets/<mode>-<config hash>``), else pretrain it with
+   ``~/.cache/specjax/targets/<mode>-<hash of config and code>``), else pretrain it with
    ``experiments/configs/pretrain_target.py`` (``:tiny`` in tiny mode) into that cache.
 2. **Data.** Token rows (one document piece per row) from the embedded corpus with the target's
    tokenizer: ``data/train.npz`` (train split) and ``data/heldout.npz`` (held-out split). With
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import os
 import platform
@@ -42,6 +41,8 @@ import time
 from typing import Optional
 
 import numpy as np
+
+from specjax.paths import portable_argv, portable_path
 
 DOMAINS = ("math", "code", "prose", "all")  # "all" = the three pooled
 BEBOP_LOSSES = ("ce", "kl", "rkl", "tv", "e2e_tv")
@@ -102,11 +103,6 @@ def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _config_hash(config) -> str:
-    return hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str)
-                          .encode()).hexdigest()[:10]
-
-
 def machine_info() -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(),
             "cpus": os.cpu_count()}
@@ -128,6 +124,17 @@ def machine_info() -> dict:
 # ------------------------------------------------------------------------------------------------
 # steps
 # ------------------------------------------------------------------------------------------------
+def target_cache_dir(mode: Mode, config) -> str:
+    """Where the target of ``config`` is cached: ``$SPECJAX_TARGET_CACHE`` (default
+    ``~/.cache/specjax/targets``) ``/<mode>-<key>``, the key hashing the config and the code that
+    trains it (:data:`specjax.code_version.TARGET_SOURCES`)."""
+    from specjax.code_version import TARGET_SOURCES, artefact_key
+    base = os.environ.get("SPECJAX_TARGET_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "specjax", "targets")
+    return os.path.join(base, f"{mode.target_arg or 'full'}-"
+                              f"{artefact_key(config.to_dict(), TARGET_SOURCES)}")
+
+
 def ensure_target(mode: Mode, target_workdir: Optional[str], timings: dict) -> str:
     """A finished target workdir (pretraining it into the cache if needed)."""
     import importlib
@@ -148,9 +155,7 @@ def ensure_target(mode: Mode, target_workdir: Optional[str], timings: dict) -> s
     config = cfg_mod.get_config(mode.target_arg or None)
     config.output.progress_bar = False
     if target_workdir is None:
-        base = os.environ.get("SPECJAX_TARGET_CACHE") or os.path.join(
-            os.path.expanduser("~"), ".cache", "specjax", "targets")
-        target_workdir = os.path.join(base, f"{mode.target_arg or 'full'}-{_config_hash(config)}")
+        target_workdir = target_cache_dir(mode, config)
     ck = os.path.join(target_workdir, "checkpoints")
     done = False
     if os.path.isdir(ck):
@@ -250,7 +255,7 @@ def drafter_config(mode: Mode, variant: str, *, target_workdir: str, train_path:
 def train(name: str, config, workdir: str, timings: dict) -> str:
     """Trains one drafter run unless it is already finished; returns its workdir."""
     from specjax.training.checkpoint import Checkpointer
-    from specjax.training.drafter_task import run_drafter
+    from specjax.training.drafter_run import run_drafter
     wd = os.path.join(workdir, "drafters", name)
     ck = os.path.join(wd, "checkpoints")
     if os.path.isdir(ck):
@@ -496,8 +501,9 @@ def main(argv=None) -> dict:
     heldout = OE.load_heldout(heldout_path, max_rows=mode.eval_rows)
     results_root = os.path.join(workdir, "results")
     summary = {"mode": args.mode, "mode_config": dataclasses.asdict(mode), "machine": info,
-               "command": " ".join(["python -m experiments.reproduce"] + (argv or sys.argv[1:])),
-               "target_workdir": target_workdir, "timings": timings}
+               "command": " ".join(["python -m experiments.reproduce"]
+                                   + portable_argv(argv or sys.argv[1:])),
+               "target_workdir": portable_path(target_workdir), "timings": timings}
 
     # -- Bebop -----------------------------------------------------------------------------------
     runs = {}

@@ -27,7 +27,7 @@ def main(argv) -> None:
     import jax
 
     from specjax.training.config import ConfigError
-    from specjax.training.drafter_task import run_drafter
+    from specjax.training.drafter_run import run_drafter
 
     try:
         result = run_drafter(_CONFIG.value, _WORKDIR.value)

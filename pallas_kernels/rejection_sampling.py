@@ -1,7 +1,7 @@
 """Batched rejection sampling as a Pallas kernel (TPU Mosaic, GPU Triton), with its jnp reference.
 
 Algorithm: exactly :func:`specjax.verify.rejection_sample_with_noise` (Leviathan et al. 2023;
-Chen et al. 2023; DESIGN.md "The math"), over the same explicit random inputs
+Chen et al. 2023; docs/DESIGN.md "The math"), over the same explicit random inputs
 
 * ``uniforms`` float32 ``[B, K]`` (acceptance tests) and
 * ``exponentials`` float32 ``[B, V]`` (one Exp(1) vector per row for the exponential race that draws

@@ -3,7 +3,7 @@
 A DSpark confidence head emits, for each draft position k = 1..γ, a logit ``l_k`` whose sigmoid
 ``c_k = σ(l_k)`` estimates ``P(draft k accepted | drafts 1..k−1 accepted)``. The prefix scheduler
 needs the *joint* survival probabilities ``a_k = Π_{i≤k} c_i = P(drafts 1..k all accepted)``
-(DESIGN.md "Prefix scheduler"), so that is the quantity calibrated and scored here.
+(docs/DESIGN.md "Prefix scheduler"), so that is the quantity calibrated and scored here.
 
 Sequential Temperature Scaling (STS, DSpark §3.2.1): on held-out drafts, for k = 1..γ in order,
 a 1-D grid search picks ``T_k > 0`` minimising the ECE of ``a_k = Π_{i≤k} σ(l_i / T_i)`` against

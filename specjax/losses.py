@@ -7,14 +7,14 @@ vocabulary (``[..., γ, V] -> [...]``). Reductions over batch/tokens are left to
 ``optax.losses``.
 
 The *target* side (``target_probs``) is always detached inside with :func:`jax.lax.stop_gradient`:
-the target model is frozen while a drafter trains (DESIGN.md, "Losses (p detached)").
+the target model is frozen while a drafter trains (docs/DESIGN.md, "Losses (the target side detached)").
 
 ``where`` (optional, boolean) masks *positions*, not vocabulary entries: it must broadcast to the
 per-position output shape (``[...]`` for the elementwise losses, ``[..., γ]`` for the sequence
 losses). A masked position contributes a loss of exactly 0 and a gradient of exactly 0. To exclude
 vocabulary entries, give them ``target_probs == 0`` / ``draft_logits == -inf`` instead.
 
-Notation (DESIGN.md "The math"): target ``p``, draft ``q = softmax(z)`` from draft logits ``z``,
+Notation (docs/DESIGN.md "The math"): target ``p``, draft ``q = softmax(z)`` from draft logits ``z``,
 ``TV(p, q) = ½ Σ|p − q| = 1 − Σ min(p, q)``; rejection-sampling acceptance ``α = 1 − TV``.
 
 Memory. :func:`tv_loss` (and everything built on it) has a hand-written VJP that uses Bebop's

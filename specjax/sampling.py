@@ -4,7 +4,7 @@ One transform, :func:`logits_to_probs`, turns logits into the distribution a tok
 temperature, then top-k, then top-p (nucleus), then min-p, then a softmax in float32. Speculative
 decoding is exact only if the draft tokens are sampled from *exactly* the ``q`` the verifier is given
 and the target's ``p`` went through the *same* transform; so both the drafter and the target call this
-one function with the same per-request settings (DESIGN.md, invariant 1). Temperature 0 means greedy:
+one function with the same per-request settings (docs/DESIGN.md, "Invariants" 1). Temperature 0 means greedy:
 the result is the one-hot of the (first) argmax.
 
 Sampling uses the *exponential race* (equivalently the Gumbel-max trick): for a non-negative weight

@@ -124,7 +124,7 @@ def step(target_graphdef: nnx.GraphDef, target_state, drafter, params, frozen, s
     """One speculative step (draft γ → verify → accept → commit); donates ``state``.
 
     ``num_draft`` (int32 ``[B]``, default γ) limits how many drafts each row verifies (a scheduler's
-    choice; it must not depend on the drafts it admits — DESIGN.md invariant 1). Returns
+    choice; it must not depend on the drafts it admits — docs/DESIGN.md, "Invariants" 1). Returns
     ``(SpecState, StepOutput)``.
     """
     _check_method(method)

@@ -1,6 +1,6 @@
 """Exact verification of draft tokens: rejection sampling, target-only sampling and greedy.
 
-Notation (DESIGN.md, "The math"): ``p_k`` target distribution and ``q_k`` draft distribution at draft
+Notation (docs/DESIGN.md, "The math"): ``p_k`` target distribution and ``q_k`` draft distribution at draft
 position ``k`` (0-based here, ``k = 0..K-1``; ``p_K`` is the bonus distribution), ``K`` the padded
 draft length, ``V`` the vocabulary, ``num_draft[b] = l_b <= K`` the drafts row ``b`` verifies.
 

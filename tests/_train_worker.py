@@ -15,6 +15,14 @@ Spec keys:
                          second and later workers skip recompiling the same step)
   out (str)              write params (assembled from this process's own shards) as .npz, and
                          their sha256 to out + ".sha256"
+  reference (bool)       after training, train again from the same init in this same process and
+                         mesh, but build each global batch from the *whole* concatenation of all
+                         shards (``jax.make_array_from_callback``: every device takes its rows of
+                         the global batch directly) instead of from this process's own shard.
+                         Same program, same devices, same collectives, hence the same float
+                         summation order: the params must agree bit for bit. Writes their sha256
+                         to out + ".ref.sha256" (and the initial params' to ".init.sha256"), and checks every step that the batch the trainer
+                         assembles from the shards equals the reference batch exactly.
 """
 import hashlib
 import json
@@ -44,6 +52,8 @@ from _train_common import ConcatIterator, base_config  # noqa: E402
 
 from specjax.training import SyntheticLMIterator, Trainer  # noqa: E402
 from specjax.training import distributed  # noqa: E402
+from specjax.training import inputs as inputs_lib  # noqa: E402
+from specjax.training import sharding as sharding_lib  # noqa: E402
 
 
 def local_params(params):
@@ -56,6 +66,38 @@ def local_params(params):
         assert not np.isnan(full).any(), f"{jax.tree_util.keystr(path)} not fully local"
         out[jax.tree_util.keystr(path)] = full
     return out
+
+
+def digest_of(params):
+    digest = hashlib.sha256()
+    for k in sorted(params):
+        digest.update(k.encode())
+        digest.update(params[k].tobytes())
+    return digest.hexdigest()
+
+
+def reference_run(trainer, kw):
+    """Params after ``num_steps`` from a fresh init, fed whole global batches (see ``reference``)."""
+    cfg = trainer.config
+    n = jax.process_count()
+    whole = ConcatIterator(n, **kw)  # the global batch: shard 0's rows, then shard 1's, ...
+    mine = SyntheticLMIterator(shard_index=jax.process_index(), num_shards=n, **kw)
+    state = trainer.init_state()
+    init_digest = digest_of(local_params(state.params))
+    for step in range(cfg.train.num_steps):
+        full = next(whole)
+        arrays = {k: jax.make_array_from_callback(
+            v.shape, sharding_lib.batch_sharding(trainer.mesh, v.ndim), lambda idx, v=v: v[idx])
+            for k, v in full.items()}
+        assembled = inputs_lib.global_batch(next(mine), trainer.mesh)  # what trainer.step feeds
+        for k, a in arrays.items():
+            for ref_shard, got_shard in zip(a.addressable_shards, assembled[k].addressable_shards):
+                assert ref_shard.index == got_shard.index
+                assert np.array_equal(np.asarray(ref_shard.data), np.asarray(got_shard.data)), \
+                    f"step {step}: batch[{k!r}] rows {ref_shard.index} differ from the global batch"
+        # The jitted step itself (Trainer.step = global_batch + this): same compiled program.
+        state, _ = trainer._step(state, arrays, trainer.frozen)
+    return state, init_digest
 
 
 def main():
@@ -91,13 +133,16 @@ def main():
     trainer.close()
     if spec.get("out"):
         params = local_params(state.params)
-        digest = hashlib.sha256()
-        for k in sorted(params):
-            digest.update(k.encode())
-            digest.update(params[k].tobytes())
         np.savez(spec["out"], **params)
         with open(spec["out"] + ".sha256", "w") as f:
-            f.write(digest.hexdigest())
+            f.write(digest_of(params))
+    if spec.get("reference"):
+        kw["batch_size"] = cfg.data.batch_size // n
+        ref, init_digest = reference_run(trainer, kw)
+        with open(spec["out"] + ".ref.sha256", "w") as f:
+            f.write(digest_of(local_params(ref.params)))
+        with open(spec["out"] + ".init.sha256", "w") as f:
+            f.write(init_digest)
     print(f"worker: done at step {int(jax.device_get(state.step))}", flush=True)
 
 

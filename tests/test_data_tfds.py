@@ -125,3 +125,15 @@ def test_prepare_default_data_builds_once_and_reuses(tmp_path):
     assert prepare_default_data(data_dir, vocab_size=320, max_docs=10, verbose=False).built
     with open(os.path.join(data_dir, "specjax_data.json")) as f:
         assert json.load(f)["vocab_size"] == 320
+
+
+def test_prepare_default_data_rebuilds_when_the_data_code_changes(tmp_path, monkeypatch):
+    import specjax.data.tfds_builder as builder
+    data_dir = str(tmp_path / "data")
+    assert prepare_default_data(data_dir, vocab_size=300, max_docs=10, verbose=False).built
+    assert not prepare_default_data(data_dir, vocab_size=300, max_docs=10, verbose=False).built
+    # Same corpus and settings, but the code that builds the data changed.
+    monkeypatch.setattr(builder, "source_hash", lambda sources: "edited-code")
+    assert prepare_default_data(data_dir, vocab_size=300, max_docs=10, verbose=False).built
+    with open(os.path.join(data_dir, "specjax_data.json")) as f:
+        assert json.load(f)["code_version"] == "edited-code"

@@ -22,7 +22,8 @@ from flax import nnx
 
 from specjax.training import ConfigError, default_config, make_mesh, validate_config
 from specjax.training import drafter_data
-from specjax.training.drafter_task import DrafterTask, LossPhaseIterator, run_drafter
+from specjax.training.drafter_run import run_drafter
+from specjax.training.drafter_task import DrafterTask, LossPhaseIterator
 
 sys.path.insert(0, os.path.dirname(__file__))
 import test_drafters_common as C  # noqa: E402  (the tiny sharp target of the drafter tests)

@@ -1,6 +1,6 @@
 """Statistical exactness of the verifiers (chi-square at alpha = 1e-6, fixed seeds).
 
-What is shown (DESIGN.md, "The math"; Leviathan et al. 2023, Chen et al. 2023):
+What is shown (docs/DESIGN.md, "The math"; Leviathan et al. 2023, Chen et al. 2023):
 * rejection sampling: for every position j, the token emitted at j by rows that reached j is
   distributed as p_j (bonus included); the accepted-count histogram matches prod(alpha_i) with
   alpha = 1 - TV(p, q); after a rejection at j the token follows norm(max(0, p_j - q_j)); for

@@ -3,12 +3,12 @@
 Run (from the repository root)::
 
     python -m experiments.train --config experiments/configs/pretrain_target.py \
-        --workdir /tmp/specjax/pretrain_target
+        --workdir runs/pretrain_target
 
 Tiny mode (a few steps on a 30-document subset, for tests / CI; seconds after data prep)::
 
     python -m experiments.train --config experiments/configs/pretrain_target.py:tiny \
-        --workdir /tmp/specjax/pretrain_target_tiny
+        --workdir runs/pretrain_target_tiny
 
 Re-running with the same workdir resumes (or, when finished, just re-evaluates). The corpus is
 prepared once (BPE tokenizer with the model's vocabulary + TFDS array_record) under

@@ -3,13 +3,13 @@
 Run (from the repository root; the target is a finished ``pretrain_target.py`` workdir)::
 
     python -m experiments.train_drafter --config experiments/configs/train_drafter.py:mtp_e2e_tv_ws \
-        --config.task.target_workdir /tmp/specjax/pretrain_target \
-        --workdir /tmp/specjax/drafter_mtp_e2e_tv_ws
+        --config.task.target_workdir runs/pretrain_target \
+        --workdir runs/drafter_mtp_e2e_tv_ws
 
 Tiny mode (tiny target from ``pretrain_target.py:tiny``; a few steps, seconds after compilation)::
 
     python -m experiments.train_drafter --config experiments/configs/train_drafter.py:mtp_tv,tiny \
-        --config.task.target_workdir /tmp/specjax/pretrain_target_tiny --workdir /tmp/specjax/d_tiny
+        --config.task.target_workdir runs/pretrain_target_tiny --workdir runs/d_tiny
 
 Without ``--config.task.data_file`` the drafter trains on the packed embedded pipeline
 (``config.data``; labels never cross a document boundary). With

@@ -25,7 +25,7 @@ the same side), the help topic for ``pydoc_data`` pages, the question text for m
 no held-out code file leaks into training through its docstrings.
 
 Sizes on CPython 3.11.7 (tokens: the default 2048-entry BPE of :mod:`specjax.data.tokenizer`,
-without separators; regenerate with ``python -m specjax.data.corpus --stats``):
+without separators; regenerate with ``python -m specjax.data.stats``):
 
 =======  =======  ==========  ======  ==========
 domain   split    bytes       docs    tokens
@@ -305,25 +305,3 @@ def _docstrings_text(rel: str) -> str:
         if isinstance(node, ast.ClassDef):
             stack.extend((child, f"{name}.") for child in reversed(node.body))
     return "\n\n".join(parts) + "\n" if parts else ""
-
-
-def _stats_table() -> str:
-    from specjax.data.tokenizer import train_tokenizer
-
-    tok = train_tokenizer()
-    rows = ["domain   split    bytes       docs    tokens"]
-    for domain in DOMAINS:
-        for split in SPLITS:
-            texts = load_corpus(domain, split)
-            n_bytes = sum(len(t.encode()) for t in texts)
-            n_tok = sum(len(ids) for ids in tok.encode_batch(texts))
-            rows.append(f"{domain:<8} {split:<8} {n_bytes:<11,} {len(texts):<7,} {n_tok:,}")
-    return "\n".join(rows)
-
-
-if __name__ == "__main__":
-    if "--stats" in sys.argv:
-        print(f"Python {sys.version.split()[0]}, fingerprint {corpus_fingerprint()}")
-        print(_stats_table())
-    else:
-        print("usage: python -m specjax.data.corpus --stats")

@@ -17,7 +17,7 @@ Layout written by :func:`prepare_default_data` under ``data_dir``::
 
     data_dir/
       tokenizer.json                        byte-level BPE (specjax.data.tokenizer)
-      specjax_data.json                     manifest: what was built, from which corpus
+      specjax_data.json                     manifest: what was built, from which corpus and code
       specjax_corpus/<config>/1.0.0/        TFDS dataset_info.json, features.json,
         specjax_corpus-train.array_record-00000-of-00001, ...-heldout...
 """
@@ -35,6 +35,7 @@ import tensorflow_datasets as tfds
 from etils import epath
 from tensorflow_datasets.core import utils as tfds_utils
 
+from specjax.code_version import DATA_SOURCES, source_hash
 from specjax.data import corpus as corpus_lib
 from specjax.data import tokenizer as tokenizer_lib
 
@@ -278,7 +279,8 @@ def prepare_default_data(data_dir: str | os.PathLike, vocab_size: int = 2048, *,
     """Build corpus -> ``tokenizer.json`` -> TFDS array_record under ``data_dir``, once.
 
     Reuses everything when ``data_dir/specjax_data.json`` says the same corpus (fingerprint),
-    vocabulary size and ``max_docs`` were built and the files are still there; otherwise (or with
+    the same data code (:data:`specjax.code_version.DATA_SOURCES`), vocabulary size and
+    ``max_docs`` were built and the files are still there; otherwise (or with
     ``force``) rebuilds this function's own outputs (``tokenizer.json`` and
     ``data_dir/specjax_corpus``), leaving anything else in ``data_dir`` alone.
     The first full build takes 5-20 s on 2 CPU cores. On several hosts sharing a filesystem,
@@ -288,7 +290,8 @@ def prepare_default_data(data_dir: str | os.PathLike, vocab_size: int = 2048, *,
     os.makedirs(data_dir, exist_ok=True)
     tok_path = os.path.join(data_dir, TOKENIZER_FILE)
     manifest_path = os.path.join(data_dir, MANIFEST)
-    wanted = {"corpus_fingerprint": corpus_lib.corpus_fingerprint(), "vocab_size": vocab_size,
+    wanted = {"corpus_fingerprint": corpus_lib.corpus_fingerprint(),
+              "code_version": source_hash(DATA_SOURCES), "vocab_size": vocab_size,
               "max_docs": max_docs, "domains": list(corpus_lib.DOMAINS),
               "dataset_version": str(SpecjaxCorpus.VERSION)}
     names = {d: corpus_dataset_name(d, max_docs) for d in corpus_lib.DOMAINS}

@@ -24,6 +24,8 @@ from typing import Iterable, Iterator, Sequence
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from specjax.data.corpus import DOMAINS, load_corpus
+
 __all__ = [
     "EOS_TOKEN",
     "PAD_TOKEN",
@@ -160,8 +162,6 @@ def load_tokenizer(path: str | os.PathLike, *, eos_token: str | None = None,
 
 
 def _default_training_texts(max_docs: int | None) -> Iterator[str]:
-    from specjax.data.corpus import DOMAINS, load_corpus
-
     for domain in DOMAINS:
         yield from load_corpus(domain, "train", max_docs=max_docs)
 

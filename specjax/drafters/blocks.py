@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange
 
 from specjax.models.layers import apply_rope
 from specjax.models.transformer import Block, grouped_attention
@@ -67,9 +68,10 @@ def context_block_attention(q, k_ctx, v_ctx, ctx_mask, k_blk, v_blk):
     Returns:
       ``[B, A, G, H, Dh]`` in q's dtype (softmax in f32 over context + block keys jointly).
     """
-    b, a, g, h, dh = q.shape
+    dh = q.shape[-1]
     kvh = k_ctx.shape[2]
-    qg = q.reshape(b, a, g, kvh, h // kvh, dh)
+    # GQA: query head k * (H / KVH) + r reads key/value head k.
+    qg = rearrange(q, "b a g (k r) d -> b a g k r d", k=kvh)
     scale = dh ** -0.5
     sc = jnp.einsum("bagkhd,bskd->bakhgs", qg, k_ctx.astype(q.dtype),
                     preferred_element_type=jnp.float32) * scale
@@ -84,4 +86,4 @@ def context_block_attention(q, k_ctx, v_ctx, ctx_mask, k_blk, v_blk):
                      preferred_element_type=jnp.float32)
     out = out + jnp.einsum("bakhgj,bajkd->bagkhd", pb.astype(v_blk.dtype), v_blk.astype(q.dtype),
                            preferred_element_type=jnp.float32)
-    return out.reshape(b, a, g, h, dh).astype(q.dtype)
+    return rearrange(out, "b a g k r d -> b a g (k r) d").astype(q.dtype)

@@ -38,6 +38,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange
 from flax import nnx
 
 from specjax.drafters.base import (DraftOutput, Observation, Sampling, SharedHead, TeacherForced,
@@ -128,8 +129,7 @@ class DSparkModule(nnx.Module):
 
     def context_features(self, hidden: jax.Array) -> jax.Array:
         """``[m, B, T, D]`` target hidden states -> ``H_ctx [B, T, D]``."""
-        m, b, t, d = hidden.shape
-        x = jnp.moveaxis(hidden, 0, 2).reshape(b, t, m * d)
+        x = rearrange(hidden, "m b t d -> b t (m d)")  # the m layers' features side by side
         return self.ctx_norm(x @ self.ctx_proj[...].astype(x.dtype))
 
     def seq_step(self, state, h, u, x_prev):
@@ -224,16 +224,19 @@ class DSparkDrafter:
         d = frozen.hidden_size
         emb = frozen.embed_tokens(anchor)[:, :, None, :]
         mask = jnp.broadcast_to(module.mask_embed[...].astype(emb.dtype), (b, a, gamma - 1, d))
-        x = jnp.concatenate([emb, mask], axis=2).reshape(b, a * gamma, d)
-        pos = (anchor_pos[:, :, None] + jnp.arange(gamma, dtype=jnp.int32)).reshape(b, a * gamma)
+        # Blocks laid end to end along one token axis for the shared layers; split back per block
+        # for the block attention.
+        x = rearrange(jnp.concatenate([emb, mask], axis=2), "b a g d -> b (a g) d")
+        pos = rearrange(anchor_pos[:, :, None] + jnp.arange(gamma, dtype=jnp.int32),
+                        "b a g -> b (a g)")
         inv_freq = self._inv_freq()
         for layer, (kc, vc) in zip(module.layers, ctx_kv):
             def attend(q, k, v, kc=kc, vc=vc):
-                split = lambda z: z.reshape(b, a, gamma, *z.shape[2:])
+                split = lambda z: rearrange(z, "b (a g) ... -> b a g ...", a=a)
                 out = context_block_attention(split(q), kc, vc, ctx_mask, split(k), split(v))
-                return out.reshape(b, a * gamma, *out.shape[3:])
+                return rearrange(out, "b a g ... -> b (a g) ...")
             x = block_forward(layer, x, pos, inv_freq, attend)
-        return module.norm(x).reshape(b, a, gamma, d)
+        return rearrange(module.norm(x), "b (a g) d -> b a g d", a=a)
 
     # -- decoding --------------------------------------------------------------------------------
     def init_state(self, batch: int, max_len: int, gamma: int,

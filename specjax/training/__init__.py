@@ -12,7 +12,8 @@ from specjax.training.inputs import BatchIterator, SyntheticLMIterator, global_b
 from specjax.training.lm_task import LMTask, lm_loss, model_config_from
 from specjax.training.sharding import (LOGICAL_AXIS_RULES, MESH_AXES, ShardingError,
                                        logical_to_spec, make_mesh, tree_shardings)
-from specjax.training.tasks import LOSS_WEIGHT, TrainTask, make_task, register_task
+from specjax.training.registry import make_task
+from specjax.training.tasks import LOSS_WEIGHT, TrainTask, register_task
 from specjax.training.trainer import TrainState, Trainer
 
 __all__ = [

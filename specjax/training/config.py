@@ -20,17 +20,15 @@ from typing import Any, Mapping, Optional
 
 import ml_collections
 
+from specjax.training import registry
 from specjax.training import sharding as sharding_lib
+from specjax.training.errors import ConfigError
 
-
-class ConfigError(ValueError):
-    """An invalid training config; the message names the offending field."""
+__all__ = ["ConfigError", "default_config", "validate_config"]
 
 
 def default_config(task: str = "lm") -> ml_collections.ConfigDict:
     """The full schema with defaults (locked). ``task`` picks the ``config.task`` sub-schema."""
-    from specjax.training import tasks  # registry; imported lazily to avoid an import cycle
-
     c = ml_collections.ConfigDict()
     c.seed = 0  # parameter init and the per-step RNG stream
 
@@ -39,7 +37,7 @@ def default_config(task: str = "lm") -> ml_collections.ConfigDict:
     c.model.preset = "small"  # specjax.models.PRESETS
     c.model.overrides = ml_collections.ConfigDict()  # ModelConfig fields, checked against it
 
-    c.task = tasks.task_defaults(task)
+    c.task = registry.task_defaults(task)
 
     c.data = ml_collections.ConfigDict()
     c.data.kind = "synthetic"  # "synthetic" (tests) | "embedded" (specjax.data pipeline)
@@ -205,10 +203,9 @@ def validate_config(config: Any, *, num_devices: Optional[int] = None,
         raise ConfigError(f"config must be a ConfigDict or mapping, got {type(config).__name__}")
     task_name = user.get("task", {}).get("name", "lm") if isinstance(user.get("task"), Mapping) \
         else "lm"
-    from specjax.training import tasks
-    if task_name not in tasks.registered_tasks():
+    if task_name not in registry.registered_tasks():
         raise ConfigError(f"config.task.name: unknown task {task_name!r}; registered: "
-                          f"{sorted(tasks.registered_tasks())}")
+                          f"{sorted(registry.registered_tasks())}")
     schema = default_config(task_name).to_dict()
     merged = default_config(task_name).to_dict()
     _merge(user, schema, "", merged)
@@ -230,7 +227,7 @@ def validate_config(config: Any, *, num_devices: Optional[int] = None,
         raise ConfigError(f"config.optimizer.warmup_steps ({merged['optimizer']['warmup_steps']}) "
                           f"exceeds config.train.num_steps ({merged['train']['num_steps']})")
     _check_model(merged["model"])
-    tasks.validate_task_config(task_name, merged["task"])
+    registry.validate_task_config(task_name, merged["task"])
 
     batch = merged["data"]["batch_size"]
     accum = merged["train"]["grad_accum_steps"]

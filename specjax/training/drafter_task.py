@@ -47,8 +47,8 @@ Loss schedule (Bebop-style fine-tuning at equal total budget): ``task.warm_start
 afterwards, in one run. The step is not visible to a task's ``loss_fn``, so the schedule travels
 with the data: :class:`LossPhaseIterator` stamps each batch with ``loss_phase`` (0 before the
 switch, 1 after) from its own step counter, which is part of the checkpointed iterator state, so a
-resumed run switches at the same step. :func:`run_drafter` (and ``experiments/train_drafter.py``)
-wraps the iterators; a batch without ``loss_phase`` under a schedule is an error. Alternatively
+resumed run switches at the same step. :func:`specjax.training.drafter_run.run_drafter` (and
+``experiments/train_drafter.py``) wraps the iterators; a batch without ``loss_phase`` under a schedule is an error. Alternatively
 ``task.init_from`` warm-starts the params from another drafter run's checkpoint (a fresh optimizer).
 
 Metrics (always, whatever the loss; detached): ``ce``, ``top1``, ``tv`` (mean), ``alpha_k``
@@ -58,9 +58,8 @@ heads), ``loss_weight``.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -74,12 +73,13 @@ from specjax.drafters import (DraftLMDrafter, DSparkConfig, DSparkDrafter, MTPCo
 from specjax.drafters.dspark import DSparkModule
 from specjax.drafters.mtp import MTPHeads
 from specjax.models import ModelConfig, Transformer
+from specjax.training.checkpoint import restore_params
+from specjax.training.errors import ConfigError
 from specjax.training.lm_task import model_config_from
 from specjax.training.tasks import LOSS_WEIGHT, register_task
 
 __all__ = ["LOSSES", "DRAFTERS", "DrafterTask", "LossPhaseIterator", "build_drafter",
-           "drafter_defaults", "load_target", "target_abstract_params", "run_drafter",
-           "load_drafter"]
+           "drafter_defaults", "load_target", "target_abstract_params"]
 
 LOSSES = ("ce", "kl", "rkl", "tv", "e2e_tv", "dspark")
 DRAFTERS = ("mtp", "dspark", "dflash", "draft_lm")
@@ -155,8 +155,6 @@ def drafter_defaults() -> ml_collections.ConfigDict:
 
 
 def _validate(t: dict) -> None:
-    from specjax.training.config import ConfigError
-
     def bad(field, msg):
         raise ConfigError(f"config.task.{field}: {msg}")
 
@@ -251,33 +249,12 @@ def target_abstract_params(target_config: ModelConfig, sharding=None):
 def load_target(target_config: ModelConfig, workdir: str = "", *, step: int = -1, seed: int = 0):
     """``(graphdef, params)`` of the target: restored from ``<workdir>/checkpoints`` (params only),
     or freshly initialised from ``seed`` when ``workdir`` is empty (tests)."""
-    from specjax.training.checkpoint import restore_params
     graphdef, abstract, _ = target_abstract_params(target_config)
     if not workdir:
         model = Transformer(target_config, rngs=nnx.Rngs(params=seed))
         return graphdef, nnx.to_pure_dict(nnx.state(model))
     directory = os.path.join(os.path.abspath(workdir), "checkpoints")
     return graphdef, restore_params(directory, abstract, None if step < 0 else step)
-
-
-def load_drafter(workdir: str, *, step: Optional[int] = None):
-    """A trained drafter from a drafter run's workdir: ``(drafter, params, task)``.
-
-    Reads ``<workdir>/config.json`` (written by :func:`run_drafter`) and the newest (or ``step``)
-    checkpoint's params; ``task.frozen_target()`` gives the target to pair it with.
-    """
-    import json
-
-    from specjax.training.checkpoint import restore_params
-    from specjax.training.config import validate_config
-    with open(os.path.join(workdir, "config.json")) as f:
-        config = validate_config(json.load(f))
-    task = DrafterTask(config, load_frozen=False)
-    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                            task.abstract_params)
-    params = restore_params(os.path.join(workdir, "checkpoints"), abstract, step)
-    return task.drafter, params, task
 
 
 # ------------------------------------------------------------------------------------------------
@@ -308,7 +285,6 @@ class DrafterTask:
         self._frozen = None
         self._init_values = None
         if t.init_from:
-            from specjax.training.checkpoint import restore_params
             sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
             abs_p = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                                 sharding=sharding),
@@ -444,7 +420,7 @@ class DrafterTask:
                 raise ValueError(
                     f"config.task.warm_start_loss={t.warm_start_loss!r} needs batches stamped with "
                     f"{PHASE_KEY!r} (LossPhaseIterator); train with "
-                    f"specjax.training.drafter_task.run_drafter / experiments.train_drafter")
+                    f"specjax.training.drafter_run.run_drafter / experiments.train_drafter")
             phase = batch[PHASE_KEY].reshape(-1)[0]
             loss, weight = jax.lax.cond(
                 phase == 0, lambda: self.loss_of(t.warm_start_loss, z, conf, p, labels, mask),
@@ -513,95 +489,6 @@ class LossPhaseIterator:
         close = getattr(self.inner, "close", None)
         if close is not None:
             close()
-
-
-def _with_phase(batches, phase: int):
-    out = []
-    for b in batches:
-        b = dict(b)
-        b[PHASE_KEY] = np.full(np.shape(b["inputs"]), phase, np.int32)
-        out.append(b)
-    return out
-
-
-# ------------------------------------------------------------------------------------------------
-# running
-# ------------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class DrafterRunResult:
-    """What :func:`run_drafter` returns: ``trainer`` (its ``task`` is the :class:`DrafterTask`),
-    the final ``state``, ``eval`` ``{domain: metrics}``."""
-
-    trainer: Any
-    state: Any
-    eval: dict
-
-
-def make_drafter_inputs(config, mesh_batch_multiple: int = 1):
-    """``(train_iterator, eval_batches)`` for a drafter config: token-row files when
-    ``task.data_file`` is set, else ``config.data``'s pipeline (:func:`specjax.training.run.make_inputs`)."""
-    from specjax.training import drafter_data
-    t = config.task
-    d = config.data
-    if t.data_file:
-        rows = drafter_data.load_rows(t.data_file)
-        if rows["tokens"].shape[1] != d.seq_len:
-            raise ValueError(f"{t.data_file} has rows of {rows['tokens'].shape[1]} tokens but "
-                             f"config.data.seq_len is {d.seq_len}")
-        per_host = d.batch_size // jax.process_count()
-        train = drafter_data.TokenRowsIterator(rows, batch_size=per_host, seed=d.seed,
-                                               shard_index=jax.process_index(),
-                                               num_shards=jax.process_count())
-        evals = None
-        if t.eval_file and d.eval_batches:
-            heldout = drafter_data.load_rows(t.eval_file)
-            evals = drafter_data.eval_batches(
-                heldout, batch_size=per_host,
-                max_batches=None if d.eval_batches == -1 else d.eval_batches,
-                shard_index=jax.process_index(), num_shards=jax.process_count())
-    else:
-        from specjax.training.run import make_inputs
-        train, evals, _ = make_inputs(config, model_config_from(config).vocab_size)
-    if t.warm_start_loss:
-        train = LossPhaseIterator(train, t.switch_step)
-        if evals:
-            evals = {k: _with_phase(v, 1) for k, v in evals.items()}
-    return train, evals
-
-
-def run_drafter(config, workdir: Optional[str], *, mesh=None, task=None,
-                stop_after: Optional[int] = None, hooks=()) -> DrafterRunResult:
-    """Trains a drafter config in ``workdir`` (resuming from its checkpoints when present).
-
-    Writes ``workdir/config.json``, ``metrics.jsonl``, ``loss_curve.png`` and ``checkpoints/``
-    (the drafter's params + optimizer state + data position; the target is not copied).
-    ``mesh`` / ``task`` default to all devices / ``DrafterTask(config)``; ``stop_after`` / ``hooks``:
-    see :meth:`~specjax.training.trainer.Trainer.train`.
-    """
-    import json
-
-    from specjax.training import distributed
-    from specjax.training.config import validate_config
-    from specjax.training.trainer import Trainer
-    config = validate_config(config)
-    if config.task.name != "drafter":
-        raise ValueError(f"run_drafter needs config.task.name == 'drafter', got "
-                         f"{config.task.name!r}")
-    distributed.maybe_initialize(config.distributed)
-    trainer = Trainer(config, workdir=workdir, mesh=mesh, task=task)
-    if workdir and jax.process_index() == 0:
-        os.makedirs(workdir, exist_ok=True)
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            json.dump(trainer.config.to_dict(), f, indent=2, sort_keys=True)
-    train_iter, evals = make_drafter_inputs(trainer.config)
-    try:
-        state = trainer.train(train_iter, evals, stop_after=stop_after, hooks=hooks)
-    finally:
-        trainer.close()
-        close = getattr(train_iter, "close", None)
-        if close is not None:
-            close()
-    return DrafterRunResult(trainer=trainer, state=state, eval=trainer.last_eval)
 
 
 def _build(config: ml_collections.ConfigDict) -> DrafterTask:

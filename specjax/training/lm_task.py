@@ -15,6 +15,7 @@ import ml_collections
 from flax import nnx
 
 from specjax.models import ModelConfig, Transformer, get_preset
+from specjax.training.errors import ConfigError
 from specjax.training.tasks import LOSS_WEIGHT, register_task
 
 
@@ -100,7 +101,6 @@ def _defaults() -> ml_collections.ConfigDict:
 
 
 def _validate(task_config: dict) -> None:
-    from specjax.training.config import ConfigError
     if task_config["z_loss"] < 0:
         raise ConfigError(f"config.task.z_loss: must be >= 0, got {task_config['z_loss']}")
 

@@ -11,7 +11,9 @@ the loss. The split is "trained params + loss + frozen extras":
 * ``loss_fn(params, batch, rng, frozen) -> (loss, metrics)`` — a pure function of arrays.
 
 Language-model pretraining (:mod:`specjax.training.lm_task`) is one implementation; drafter
-tasks register themselves the same way with :func:`register_task`.
+tasks register themselves the same way with :func:`register_task`. Looking tasks up by name
+(``make_task`` and friends) lives in :mod:`specjax.training.registry`, which imports the built-in
+tasks: this module imports none of them, so a task module can import it without a cycle.
 """
 from __future__ import annotations
 
@@ -74,36 +76,12 @@ def register_task(name: str, builder, defaults, validate=None) -> None:
     _REGISTRY[name] = TaskSpec(builder, defaults, validate)
 
 
-def _ensure_builtin() -> None:
-    if "lm" not in _REGISTRY:
-        import specjax.training.lm_task  # noqa: F401  (registers "lm")
-    if "drafter" not in _REGISTRY:
-        import specjax.training.drafter_task  # noqa: F401  (registers "drafter")
+def registered_spec(name: str) -> Optional[TaskSpec]:
+    """The spec registered under ``name`` (``None`` if none). Built-in tasks are registered only
+    once their modules are imported: look tasks up through :mod:`specjax.training.registry`."""
+    return _REGISTRY.get(name)
 
 
-def registered_tasks() -> tuple[str, ...]:
-    _ensure_builtin()
+def registered_names() -> tuple[str, ...]:
+    """Names registered so far (see :func:`registered_spec`)."""
     return tuple(_REGISTRY)
-
-
-def task_defaults(name: str) -> ml_collections.ConfigDict:
-    """``config.task`` schema for task ``name``: ``name`` plus the task's own fields."""
-    _ensure_builtin()
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown task {name!r}; registered: {sorted(_REGISTRY)}")
-    c = ml_collections.ConfigDict({"name": name})
-    c.update(_REGISTRY[name].defaults())
-    return c
-
-
-def validate_task_config(name: str, task_config: dict) -> None:
-    _ensure_builtin()
-    spec = _REGISTRY[name]
-    if spec.validate is not None:
-        spec.validate(task_config)
-
-
-def make_task(config: ml_collections.ConfigDict) -> TrainTask:
-    """Builds the task named by ``config.task.name`` from the (validated) config."""
-    _ensure_builtin()
-    return _REGISTRY[config.task.name].builder(config)

@@ -2,11 +2,11 @@
 
 Usage::
 
-    trainer = Trainer(config, workdir="/tmp/run")          # validates config, builds mesh + jit fns
+    trainer = Trainer(config, workdir="runs/run")          # validates config, builds mesh + jit fns
     state = trainer.train(train_iter, eval_batches)          # resumes from workdir if possible
     trainer.last_eval                                        # {domain: {"ce": ..., ...}}
 
-Everything on the device is a pure function of pytrees (DESIGN invariant 3):
+Everything on the device is a pure function of pytrees (docs/DESIGN.md, "Invariants" 3):
 
 * :class:`TrainState` ``(step, params, opt_state, rng)`` is created by
   ``jax.jit(init_fn, out_shardings=state_shardings)`` — born sharded, and with exactly the
@@ -41,7 +41,8 @@ from specjax.training import metrics as metrics_lib
 from specjax.training import sharding as sharding_lib
 from specjax.training.config import ConfigError, validate_config
 from specjax.training.optimizer import current_learning_rate, make_optimizer
-from specjax.training.tasks import LOSS_WEIGHT, TrainTask, make_task
+from specjax.training.registry import make_task
+from specjax.training.tasks import LOSS_WEIGHT, TrainTask
 
 PyTree = Any
 # Called after every step (after any checkpoint save was started): hook(trainer, step, state).
