@@ -101,6 +101,26 @@ def summarize(results, wall: float, engine: Engine) -> dict:
         ttft.append(r.first_token_time - r.admit_time)
         times = sorted(set(r.token_times))
         itl.extend(np.diff(times).tolist())
+    base = {
+        "aggregate_tok_s": toks / wall,
+        "per_user_tok_s": float(np.median(per_user)) if per_user else 0.0,
+        "ttft_ms": 1e3 * float(np.median(ttft)),
+        "itl_p50_ms": 1e3 * float(np.percentile(itl, 50)) if itl else 0.0,
+        "itl_p99_ms": 1e3 * float(np.percentile(itl, 99)) if itl else 0.0,
+        "tokens": toks,
+    }
+    if engine.config.loop == "device":
+        # The device loop has no per-step host work to measure: the scheduler runs on the device.
+        calls = engine.loop_stats
+        slot_steps = sum(r.steps for r in results)
+        n_steps = sum(c.steps for c in calls)
+        return {**base,
+                "tau": (toks - len(results)) / max(1, slot_steps),
+                "steps": n_steps,
+                "step_ms": 1e3 * wall / max(1, n_steps),
+                "drafted_frac": sum(c.draft_steps for c in calls) / max(1, n_steps),
+                "host_frac": 0.0, "host_us_per_step": 0.0, "host_overlap_us_per_step": 0.0,
+                "draft_wait_frac": 0.0, "mean_bucket": 0.0}
     steps = [s for s in engine.stats if s.active]
     host = [s.schedule_s for s in steps]
     host_ov = [s.schedule_overlap_s for s in steps]
@@ -108,11 +128,7 @@ def summarize(results, wall: float, engine: Engine) -> dict:
     step_t = [s.step_s for s in steps]
     emitted = sum(s.accepted + s.active for s in steps)
     return {
-        "aggregate_tok_s": toks / wall,
-        "per_user_tok_s": float(np.median(per_user)) if per_user else 0.0,
-        "ttft_ms": 1e3 * float(np.median(ttft)),
-        "itl_p50_ms": 1e3 * float(np.percentile(itl, 50)) if itl else 0.0,
-        "itl_p99_ms": 1e3 * float(np.percentile(itl, 99)) if itl else 0.0,
+        **base,
         "tau": emitted / max(1, sum(s.active for s in steps)),
         "mean_bucket": float(np.mean([s.bucket for s in steps])),
         # scheduler host cost (policy + bucket pick) as a fraction of the engine step, and
@@ -124,7 +140,6 @@ def summarize(results, wall: float, engine: Engine) -> dict:
         "draft_wait_frac": float(np.sum(wait) / max(np.sum(step_t), 1e-12)),
         "drafted_frac": float(np.mean([s.drafted for s in steps])) if steps else 0.0,
         "steps": len(steps),
-        "tokens": toks,
     }
 
 
@@ -201,6 +216,9 @@ def main(argv=None):
                     help="offered loads as fractions of the no-speculation capacity measured in "
                          "the closed loop at the highest concurrency, e.g. 0.5,0.9 (rate = load × "
                          "aggregate tok/s of 'none' / its mean tokens per request)")
+    ap.add_argument("--loop", default="device", choices=("device", "host"),
+                    help="engine loop (the overlap experiment always uses the host loop)")
+    ap.add_argument("--loop-steps", type=int, default=16)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--render", metavar="JSON",
                     help="only re-render the markdown and the plot from a saved results JSON")
@@ -235,7 +253,8 @@ def main(argv=None):
     for c in conc:
         prompts = load_prompts(args, vocab, args.requests_per_slot * c)
         base = EngineConfig(num_slots=c, max_len=max_len, gamma=gamma,
-                            prefill_buckets=(args.prompt_len,), filters=False)
+                            prefill_buckets=(args.prompt_len,), filters=False,
+                            loop=args.loop, loop_steps=args.loop_steps)
         prof_engine = Engine(target, drafter, params, frozen, base)
         prof_engine.warmup(profile=True)
         sps = prof_engine.sps
@@ -262,7 +281,7 @@ def main(argv=None):
                 for ov in (False, True):
                     cfg = EngineConfig(**{**base.__dict__, "scheduler": POLICIES["dspark"]
                                           if "dspark" in pols else POLICIES[pols[0]],
-                                          "overlap": ov})
+                                          "overlap": ov, "loop": "host"})
                     res[ov] = run_one(target, drafter, params, frozen, cfg, prompts,
                                       args.max_new_tokens, args.temperature, sps, stop)[0]
                 ratios.append(res[True]["aggregate_tok_s"] / res[False]["aggregate_tok_s"])
@@ -282,7 +301,8 @@ def main(argv=None):
         c = max(conc)
         prompts = load_prompts(args, vocab, args.requests_per_slot * c)
         base = EngineConfig(num_slots=c, max_len=max_len, gamma=gamma,
-                            prefill_buckets=(args.prompt_len,), filters=False)
+                            prefill_buckets=(args.prompt_len,), filters=False,
+                            loop=args.loop, loop_steps=args.loop_steps)
         sps = report["closed_loop"][c]["sps"]
         from specjax.scheduling import SPSProfile
         prof = SPSProfile(tuple(sps["buckets"]), tuple(sps["steps_per_s"]),

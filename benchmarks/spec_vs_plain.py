@@ -1,0 +1,248 @@
+"""Speculative decoding against the fastest plain decoder: same weights, same max_len, same run.
+
+For each held-out domain (math / code / prose), batch B and temperature T, it times (wall, after a
+warm-up run; median of ``--reps`` runs, prefill included for every decoder):
+
+* ``generate_host``: :func:`specjax.models.generate.generate` with ``loop="host"`` (one dispatch
+  per token: the classic decoder, the reference for the device loop's gain);
+* ``generate``: the same with ``loop="device"`` (one ``lax.while_loop``);
+* ``engine_none``: the engine's device loop with policy "none" (plain decoding);
+* ``spec:<drafter>``: the engine's device loop with each trained drafter and policy.
+
+The baseline of every speed-up is the fastest plain decoder of that cell (``generate`` or
+``engine_none``), measured in the same run. Each speculative cell also gets the analytic
+prediction ``τ · t_plain / (t_draft + t_verify(B·(K+1)))`` from its measured τ (tokens per slot
+step), the plain decoder's per-step time and separately timed draft and verification steps, and
+the measured / predicted ratio.
+
+Run (after ``make quickstart``, which trains the target and the MTP head)::
+
+    python -m benchmarks.spec_vs_plain --target runs/target --drafter mtp=runs/mtp \\
+        --drafter dspark=runs/dspark --out benchmarks/results/spec_vs_plain.json
+    python -m benchmarks.spec_vs_plain --quick ...     # one cell, one rep (smoke run)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import jax
+import numpy as np
+
+PLAIN = ("generate_host", "generate", "engine_none")
+
+
+def _prompts(tok, domain: str, n: int, prompt_len: int) -> list[list[int]]:
+    from specjax.data.corpus import load_corpus
+    docs = load_corpus(domain, "heldout")
+    out = []
+    for d in docs:
+        ids = tok.encode(d)
+        if len(ids) >= prompt_len + 8:
+            out.append([tok.eos_id] + ids[:prompt_len - 1])
+        if len(out) == n:
+            break
+    while len(out) < n:  # short held-out splits: reuse prompts (other seeds at T > 0)
+        out.append(out[len(out) % max(1, len(out))])
+    return out
+
+
+def _median_time(fn, reps: int) -> tuple[float, object]:
+    fn()  # warm-up (compiles)
+    times, last = [], None
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        last = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), last
+
+
+def _engine(target, drafter, params, frozen, *, slots, gamma, policy, k, max_len):
+    from specjax.engine import Engine, EngineConfig
+    from specjax.scheduling import SchedulerConfig
+    cfg = EngineConfig(num_slots=slots, max_len=max_len, gamma=gamma, filters=False,
+                       prefill_buckets=(64,), loop="device", loop_steps=64,
+                       scheduler=SchedulerConfig(policy, k=k))
+    eng = Engine(target, drafter, params, frozen, cfg)
+    eng.warmup(profile=policy in ("dspark", "production"))
+    return eng
+
+
+def _run_engine(eng, prompts, new_tokens, temperature):
+    from specjax.engine import Request
+    eng.loop_stats.clear()
+    res = eng.generate([Request(prompt=p, max_new_tokens=new_tokens, temperature=temperature,
+                                seed=i) for i, p in enumerate(prompts)])
+    return res
+
+
+def _step_costs(eng, reps: int) -> dict:
+    """Separately timed draft step and verification at the bucket of a full fixed-K batch."""
+    from specjax.engine.steps import draft_step, verify_step
+    s, g = eng.config.num_slots, eng.config.gamma
+    k = min(eng.config.scheduler.k, g)
+    sampling = eng._sampling()
+    keys = eng._slot_keys(2)
+    nd = np.full(s, k, np.int32)
+    bucket = next(b for b in eng.buckets if b >= s * (k + 1))
+
+    def draft():
+        out, _ = draft_step(eng.drafter, eng.params, eng.frozen, eng.state.drafter_state,
+                            eng._next_key(), sampling, gamma=g, argmax=False)
+        jax.block_until_ready(out.tokens)
+        return out
+
+    d = draft()
+    t_draft, _ = _median_time(draft, reps)
+
+    def verify():
+        eng.state, res = verify_step(eng.graphdef, eng.target_state, eng.drafter, eng.params,
+                                     eng.frozen, eng.state, d.tokens, d.probs, nd, keys, sampling,
+                                     bucket=bucket, gamma=g, method=eng.config.method)
+        eng.state = eng.state._replace(cache=eng.state.cache.rollback(np.zeros(s, np.int32)))
+        jax.block_until_ready(res.tokens)
+
+    t_verify, _ = _median_time(verify, reps)
+    return {"draft_s": t_draft, "verify_s": t_verify, "bucket": bucket, "k": k}
+
+
+def run(args) -> dict:
+    from flax import nnx
+
+    from experiments.offline_eval import load_trained
+    from specjax.models.generate import generate_timed
+    from experiments.reproduce import target_config_of
+    from specjax.data.tokenizer import load_tokenizer
+    from specjax.training.drafter_task import load_target
+    from specjax.training.lm_task import model_config_from
+    from specjax.training.run import data_dir_of
+    run_cfg = target_config_of(args.target)
+    tcfg = model_config_from(run_cfg)
+    tok = load_tokenizer(os.path.join(data_dir_of(run_cfg, tcfg.vocab_size), "tokenizer.json"))
+    graphdef, tparams = load_target(tcfg, args.target)
+    model = nnx.merge(graphdef, tparams)
+    target = nnx.split(model)
+    drafters = {}
+    for spec in args.drafter:
+        name, path = spec.split("=", 1)
+        drafters[name] = load_trained(path, tparams)
+    out = {"machine": {"cpu": platform.processor() or platform.machine(),
+                       "cores": os.cpu_count(), "backend": jax.default_backend()},
+           "config": {k: v for k, v in vars(args).items() if k != "drafter"},
+           "drafters": {n: {"gamma": int(d[3]), "type": type(d[0]).__name__}
+                        for n, d in drafters.items()},
+           "target_params": tcfg.num_params(), "cells": []}
+    max_len = args.max_len
+    for b in args.batch:
+        engines = {"engine_none": _engine(target, *next(iter(drafters.values()))[:3],
+                                          slots=b, gamma=1, policy="none", k=0, max_len=max_len)}
+        for name, (d, p, f, gamma) in drafters.items():
+            for policy in args.policies:
+                engines[f"spec:{name}:{policy}"] = _engine(
+                    target, d, p, f, slots=b, gamma=gamma, policy=policy,
+                    k=min(args.k, gamma), max_len=max_len)
+        costs = {n: _step_costs(e, args.reps) for n, e in engines.items() if n.startswith("spec:")}
+        for domain in args.domains:
+            prompts = _prompts(tok, domain, b, args.prompt_len)
+            for temp in args.temperatures:
+                cell = {"domain": domain, "batch": b, "temperature": temp, "decoders": {}}
+                for loop in ("host", "device"):
+                    name = "generate" if loop == "device" else "generate_host"
+                    t, r = _median_time(lambda: generate_timed(
+                        model, prompts, args.new_tokens, temperature=temp, max_len=max_len,
+                        loop=loop, seed=1), args.reps)
+                    n_tok = r.num_generated
+                    cell["decoders"][name] = {"wall_s": t, "tokens": n_tok,
+                                              "tokens_per_s": n_tok / t,
+                                              "step_s": t / max(1, r.decode_steps + 1)}
+                for name, eng in engines.items():
+                    t, res = _median_time(lambda: _run_engine(eng, prompts, args.new_tokens,
+                                                              temp), args.reps)
+                    n_tok = sum(len(r.tokens) for r in res)
+                    steps = sum(s.steps for s in eng.loop_stats)
+                    slot_steps = sum(r.steps for r in res)
+                    drafted = np.sum([s.drafted for s in eng.loop_stats], axis=0)
+                    accepted = np.sum([s.accepted for s in eng.loop_stats], axis=0)
+                    entry = {"wall_s": t, "tokens": n_tok, "tokens_per_s": n_tok / t,
+                             "steps": steps, "step_s": t / max(1, steps),
+                             "tau": (n_tok - len(res)) / max(1, slot_steps)}
+                    if name.startswith("spec:"):
+                        entry["acceptance_per_position"] = (
+                            accepted / np.maximum(drafted, 1)).tolist()
+                        entry["step_costs"] = costs[name]
+                    cell["decoders"][name] = entry
+                _speedups(cell)
+                out["cells"].append(cell)
+                print(_line(cell), flush=True)
+    return out
+
+
+def _speedups(cell: dict) -> None:
+    """Adds the fastest plain decoder and, per speculative decoder, speed-up and prediction."""
+    dec = cell["decoders"]
+    best = max(("generate", "engine_none"), key=lambda n: dec[n]["tokens_per_s"])
+    cell["baseline"] = best
+    base = dec[best]
+    cell["device_loop_vs_host_loop"] = dec["generate"]["tokens_per_s"] / \
+        dec["generate_host"]["tokens_per_s"]
+    cell["engine_none_vs_fastest"] = dec["engine_none"]["tokens_per_s"] / base["tokens_per_s"]
+    plain_step = dec["generate"]["step_s"]
+    for name, e in dec.items():
+        if not name.startswith("spec:"):
+            continue
+        e["speedup"] = e["tokens_per_s"] / base["tokens_per_s"]
+        c = e["step_costs"]
+        pred_step = c["draft_s"] + c["verify_s"]
+        # τ tokens per step of cost pred_step, against one token per plain step; scaled to the
+        # fastest plain decoder's measured throughput.
+        e["predicted_speedup"] = e["tau"] * plain_step / pred_step * \
+            dec["generate"]["tokens_per_s"] / base["tokens_per_s"]
+        e["measured_over_predicted"] = e["speedup"] / e["predicted_speedup"]
+
+
+def _line(cell: dict) -> str:
+    dec = cell["decoders"]
+    parts = [f"{cell['domain']:>5} B={cell['batch']:<3} T={cell['temperature']:.0f}",
+             f"plain {dec[cell['baseline']]['tokens_per_s']:7.0f} tok/s ({cell['baseline']})",
+             f"dev/host {cell['device_loop_vs_host_loop']:.2f}",
+             f"none/fastest {cell['engine_none_vs_fastest']:.2f}"]
+    for name, e in dec.items():
+        if name.startswith("spec:"):
+            parts.append(f"{name} {e['speedup']:.2f}x (τ {e['tau']:.2f}, "
+                         f"pred {e['predicted_speedup']:.2f})")
+    return " | ".join(parts)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", required=True, help="target training workdir")
+    ap.add_argument("--drafter", action="append", required=True, help="name=drafter workdir")
+    ap.add_argument("--policies", nargs="+", default=["fixed"])
+    ap.add_argument("--k", type=int, default=3, help="K of the fixed policy (capped at γ)")
+    ap.add_argument("--domains", nargs="+", default=["math", "code", "prose"])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--max-len", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default="benchmarks/results/spec_vs_plain.json")
+    ap.add_argument("--quick", action="store_true", help="one cell, one rep")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.domains, args.batch, args.temperatures, args.reps = ["math"], [1], [0.0], 1
+        args.new_tokens, args.max_len = 16, 128
+    res = run(args)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {args.out}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
