@@ -64,6 +64,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.sampling import exponential_from_bits, uniform_from_bits
+from specjax.verify_types import VerifyOutput
 
 __all__ = [
     "VerifyOutput",
@@ -77,15 +78,13 @@ __all__ = [
     "target_only_sample_flat_with_noise",
     "greedy_verify_flat",
     "verify_noise",
+    "resolve_impl",
     "flat_offsets",
     "flat_segment_ids",
     "pack_flat",
 ]
 
 
-class VerifyOutput(NamedTuple):
-    num_accepted: jax.Array  # int32 [B]: accepted draft tokens, 0..num_draft[b]
-    tokens: jax.Array  # int32 [B, K+1]: tokens[b, :num_accepted[b]+1] are emitted; the rest are -1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,15 +310,37 @@ def rejection_sample_with_noise(
     )
 
 
-@jax.jit
-def rejection_sample(key, draft_tokens, draft_probs, target_probs, num_draft=None) -> VerifyOutput:
+IMPLS = ("auto", "jnp", "pallas")
+
+
+def resolve_impl(impl: str, platform: Optional[str] = None) -> str:
+    """``"auto"`` -> ``"pallas"`` on TPU / GPU (the fused kernel of
+    ``pallas_kernels/rejection_sampling.py``), ``"jnp"`` elsewhere; other values pass through."""
+    if impl not in IMPLS:
+        raise ValueError(f"verifier impl must be one of {IMPLS}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    platform = platform or jax.default_backend()
+    return "pallas" if platform in ("tpu", "gpu", "cuda", "rocm") else "jnp"
+
+
+@functools.partial(jax.jit, static_argnames=("impl",))
+def rejection_sample(key, draft_tokens, draft_probs, target_probs, num_draft=None, *,
+                     impl: str = "jnp") -> VerifyOutput:
     """Rejection sampling (Leviathan et al. 2023; Chen et al. 2023) with noise from ``key``.
 
     ``key``: one PRNG key, or ``B`` per-row keys (then row ``b``'s result depends only on its own key
     and inputs: batch invariant). Shapes as in :func:`rejection_sample_with_noise`.
+    ``impl``: ``"jnp"`` (gather-based, any backend) or ``"pallas"`` (the fused kernel; same noise,
+    bit-identical tokens); resolve ``"auto"`` with :func:`resolve_impl` first.
     """
     bsz, k, vocab = _check_padded(draft_tokens, draft_probs, target_probs)
     u, e = verify_noise(key, bsz, k, vocab)
+    if impl == "pallas":
+        from pallas_kernels.rejection_sampling import rejection_sample_pallas
+        return rejection_sample_pallas(draft_tokens, draft_probs, target_probs, u, e, num_draft)
+    if impl != "jnp":
+        raise ValueError(f"rejection_sample: impl must be 'jnp' or 'pallas', got {impl!r}")
     return rejection_sample_with_noise(draft_tokens, draft_probs, target_probs, u, e, num_draft)
 
 

@@ -30,7 +30,8 @@ class DeviceLoopMixin:
         sch = cfg.scheduler
         return LoopSpec(policy=sch.policy, gamma=cfg.gamma, buckets=tuple(self.buckets),
                         method=cfg.method, max_steps=cfg.loop_steps, k=sch.k,
-                        threshold=sch.threshold, explore_every=sch.explore_every)
+                        threshold=sch.threshold, explore_every=sch.explore_every,
+                        verify_impl=self.verify_impl)
 
     def _put(self, x):
         return jax.device_put(x, self._device)

@@ -44,7 +44,7 @@ class LoopSpec:
     policy / k / threshold / explore_every: as :class:`~specjax.scheduling.SchedulerConfig`.
     gamma: drafts per step. buckets: verification token buckets (ascending). method: "rejection"
     or "target_only". max_steps: steps per call (the output buffer holds
-    ``max_steps · (γ + 1)`` tokens per slot).
+    ``max_steps · (γ + 1)`` tokens per slot). verify_impl: "jnp" or "pallas".
     """
 
     policy: str
@@ -55,6 +55,7 @@ class LoopSpec:
     k: int = 4
     threshold: float = 0.5
     explore_every: int = 16
+    verify_impl: str = "jnp"
 
     @property
     def out_len(self) -> int:
@@ -226,7 +227,8 @@ def run_loop(target_graphdef: nnx.GraphDef, target_state, drafter, params, froze
                 def run(dev):
                     return verify_core(target_graphdef, target_state, drafter, params, frozen, dev,
                                        out.tokens, out.probs, ell, keys, sampling, bucket=bucket,
-                                       gamma=g, method=spec.method)
+                                       gamma=g, method=spec.method,
+                                       verify_impl=spec.verify_impl)
                 return run
 
             dev, res = jax.lax.switch(b_idx, [branch(b) for b in spec.buckets], dev)

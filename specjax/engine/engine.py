@@ -48,6 +48,7 @@ from specjax.engine.requests import (CONFIDENCE_POLICIES, EngineConfig, LoopStat
                                      StepStats, _Live)
 from specjax.engine.steps import DeviceState, merge_rows, prefill_step, verify_step
 from specjax.models.kv_cache import init_cache
+from specjax.verify import resolve_impl
 
 _slot_keys_jit = jax.jit(slot_keys)  # salt traced: one compilation for every salt
 
@@ -72,6 +73,7 @@ class Engine(HostLoopMixin, DeviceLoopMixin):
             raise ValueError(f"scheduler policy {config.scheduler.policy!r} needs a drafter with a "
                              f"confidence head; {type(drafter).__name__} has none")
         self.buckets = config.buckets
+        self.verify_impl = resolve_impl(config.verify_impl)
         self.prefill_buckets = scheduling.validate_buckets(config.prefill_buckets)
         s = config.num_slots
         self.raise_errors = False
@@ -349,7 +351,7 @@ class Engine(HostLoopMixin, DeviceLoopMixin):
             self.state, res = verify_step(
                 self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
                 self.state, draft.tokens, draft.probs, idle, keys, sampling, bucket=b, gamma=g,
-                method=self.config.method)
+                method=self.config.method, verify_impl=self.verify_impl)
             jax.block_until_ready(res.tokens)
 
         for b in self.buckets:

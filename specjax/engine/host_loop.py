@@ -174,7 +174,8 @@ class HostLoopMixin:
         self.state, result = verify_step(
             self.graphdef, self.target_state, self.drafter, self.params, self.frozen, self.state,
             draft.tokens, draft.probs, num_draft, keys, sampling, bucket=bucket,
-            gamma=self.config.gamma, method=self.config.method)
+            gamma=self.config.gamma, method=self.config.method,
+            verify_impl=self.verify_impl)
         self._steps_without_draft = 0 if drafted else self._steps_without_draft + 1
         overlap_s = 0.0
         if self.config.overlap and policy != "none":

@@ -83,6 +83,8 @@ class EngineConfig:
     dispatches one step at a time from Python (with ``overlap``; interactive serving with
     per-step stats).
     loop_steps: device loop: steps per call before the host streams the tokens out.
+    verify_impl: rejection sampler: "auto" (the Pallas kernel on TPU / GPU, jnp on CPU), "jnp"
+    or "pallas" (:func:`specjax.verify.resolve_impl`).
     """
 
     num_slots: int = 8
@@ -99,10 +101,14 @@ class EngineConfig:
     filters: bool = True
     loop: str = "device"
     loop_steps: int = 16
+    verify_impl: str = "auto"
 
     def __post_init__(self):
         if self.loop not in ("device", "host"):
             raise ValueError(f"EngineConfig.loop must be 'device' or 'host', got {self.loop!r}")
+        if self.verify_impl not in ("auto", "jnp", "pallas"):
+            raise ValueError(f"EngineConfig.verify_impl must be 'auto', 'jnp' or 'pallas', "
+                             f"got {self.verify_impl!r}")
         if self.loop_steps < 1:
             raise ValueError(f"EngineConfig.loop_steps must be ≥ 1, got {self.loop_steps}")
         if self.num_slots < 1:

@@ -79,7 +79,8 @@ def flat_layout(num_draft: jax.Array, bucket: int):
 
 def verify_core(target_graphdef: nnx.GraphDef, target_state, drafter, params, frozen,
                 state: DeviceState, draft_tokens, draft_probs, num_draft, verify_keys,
-                sampling: Sampling, *, bucket: int, gamma: int, method: str):
+                sampling: Sampling, *, bucket: int, gamma: int, method: str,
+                verify_impl: str = "jnp"):
     """Flattened verification of every slot's admitted drafts, then commit.
 
     Traced inside the device loop (one branch per token bucket) and jitted as
@@ -93,6 +94,8 @@ def verify_core(target_graphdef: nnx.GraphDef, target_state, drafter, params, fr
         its own key).
       sampling: per-slot sampling settings (``[S]`` fields); temperature 0 rows are greedy.
       method: "rejection" or "target_only".
+      verify_impl: rejection sampler, "jnp" or "pallas" (resolved by the engine from
+        ``EngineConfig.verify_impl``).
     Returns:
       ``(DeviceState, VerifyResult)``.
     """
@@ -111,7 +114,8 @@ def verify_core(target_graphdef: nnx.GraphDef, target_state, drafter, params, fr
     grid = jnp.minimum(offsets[:, None] + jnp.arange(gamma + 1)[None, :], bucket - 1)
     target_probs = sampling.probs(out.logits[grid])
     if method == "rejection":
-        ver = rejection_sample(verify_keys, draft_tokens, draft_probs, target_probs, nd)
+        ver = rejection_sample(verify_keys, draft_tokens, draft_probs, target_probs, nd,
+                               impl=verify_impl)
     else:
         ver = target_only_sample(verify_keys, draft_tokens, target_probs, nd)
     accepted = jnp.where(active, ver.num_accepted, 0)
@@ -129,7 +133,8 @@ def verify_core(target_graphdef: nnx.GraphDef, target_state, drafter, params, fr
 
 
 verify_step = functools.partial(jax.jit, static_argnames=(
-    "target_graphdef", "drafter", "bucket", "gamma", "method"), donate_argnames=("state",))(
+    "target_graphdef", "drafter", "bucket", "gamma", "method", "verify_impl"),
+    donate_argnames=("state",))(
         verify_core)
 verify_step.__doc__ = "Jitted :func:`verify_core` (donates ``state``)."
 
