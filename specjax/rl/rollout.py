@@ -177,8 +177,9 @@ class SpeculativeRollout(base_rollout.BaseRollout):
                            jax.numpy.asarray(prompt_tokens), jax.numpy.asarray(completion_tokens),
                            float(t) if t else 1.0, pad_id=self.pad_id())
 
-    def generate(self, prompts: Sequence, rollout_config=None, **kwargs):
-        """Samples one completion per prompt through the speculative engine."""
+    def generate(self, prompts: Sequence, rollout_config=None, *, mode: str = "train", **kwargs):
+        """Samples one completion per prompt through the speculative engine. ``mode`` tags the
+        metrics ("train" rollouts go to the attached Tunix logger, every mode to the JSONL)."""
         rc = rollout_config or self._config
         self._check_config(rc)
         self._config = rc
@@ -213,6 +214,7 @@ class SpeculativeRollout(base_rollout.BaseRollout):
         for i, ids in enumerate(prompt_ids):
             padded[i, p_len - len(ids):] = ids
         metrics = self._metrics(results, requests, logp, ent, wall, n_stats)
+        metrics["mode"] = mode
         self._record(metrics)
         self._calls += 1
         return base_rollout.RolloutOutput(
@@ -311,5 +313,5 @@ class SpeculativeRollout(base_rollout.BaseRollout):
             os.makedirs(os.path.dirname(os.path.abspath(self._metrics_jsonl)), exist_ok=True)
             with open(self._metrics_jsonl, "a") as f:
                 f.write(json.dumps(metrics) + "\n")
-        if self._sink is not None:
+        if self._sink is not None and metrics["mode"] == "train":
             self._sink(metrics)
