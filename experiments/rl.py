@@ -137,7 +137,8 @@ def run(config, workdir: str) -> dict:
                             eos_tokens=[ttok.eos_id()])
 
     def heldout_accuracy():
-        out = rollout.generate([p.prompt for p in heldout], eval_rc, mode="eval")
+        with mesh:  # the context Tunix runs rollouts in (jit caches are keyed on it)
+            out = rollout.generate([p.prompt for p in heldout], eval_rc, mode="eval")
         return T.accuracy(out.text, heldout)
 
     acc0 = heldout_accuracy()
@@ -146,7 +147,7 @@ def run(config, workdir: str) -> dict:
     train_s = time.perf_counter() - t0
     rollout.update_params(nnx.state(rollout.model(), nnx.Param))
     acc1 = heldout_accuracy()
-    results = {"start_step": start_step, "end_step": int(cluster.global_steps) + start_step,
+    results = {"start_step": start_step, "end_step": int(cluster.global_steps),
                "heldout_accuracy_start": acc0, "heldout_accuracy_end": acc1,
                "n_heldout": len(heldout), "train_seconds": train_s,
                "devices": n_dev, "method": e.method, "gamma": e.gamma}

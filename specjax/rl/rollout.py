@@ -107,8 +107,20 @@ class SpeculativeRollout(base_rollout.BaseRollout):
         fr = shared_head(self._target) if self._shared else frozen
         if self._shared and not isinstance(fr, SharedHead):
             raise TypeError("shared_head did not return a SharedHead")
-        self.engine = Engine(nnx.split(self._target), drafter, drafter_params, fr, engine_config)
-        self.engine.warmup(profile=False)
+        graphdef, state = nnx.split(self._target)
+        devices = {d for x in jax.tree.leaves(state) for d in x.devices()}
+        if len(devices) > 1:
+            # The engine decodes on one device: a policy spread over a mesh is served from a copy
+            # on its first device (refreshed, device to device, at every weight sync).
+            one = jax.sharding.SingleDeviceSharding(min(devices, key=lambda d: d.id))
+            state = jax.device_put(state, one)
+            fr = jax.device_put(fr, one)
+            drafter_params = jax.device_put(drafter_params, one)
+        self.engine = Engine((graphdef, state), drafter, drafter_params, fr, engine_config)
+        # Warm-up (compilation) happens at the first generate(): Tunix calls the rollout inside its
+        # mesh context, which is part of jit's cache key, so compiling here would compile twice.
+        self._warm = False
+        self._source = jax.tree.leaves(nnx.state(self._target))  # arrays the engine serves
         self._seed = int(seed)
         self._calls = 0
         self._version = 0
@@ -149,10 +161,18 @@ class SpeculativeRollout(base_rollout.BaseRollout):
             if isinstance(holder, Transformer) and "model" in params:
                 params = params["model"]
             nnx.update(holder, params)
+        self._sync(force=True)
+
+    def _sync(self, force: bool = False) -> None:
+        """Serves the actor's current weights. Tunix skips ``update_params`` when the rollout's
+        model is the learner's own module (colocated: "shared weights"), and its optimizer
+        replaces the module's arrays in place; so every rollout checks for new arrays first."""
         new = nnx.state(self._target)
-        old = self.engine.target_state
         new_leaves, new_def = jax.tree.flatten(new)
-        old_leaves, old_def = jax.tree.flatten(old)
+        if not force and self._source is not None and len(new_leaves) == len(self._source) and \
+                all(a is b for a, b in zip(new_leaves, self._source)):
+            return
+        old_leaves, old_def = jax.tree.flatten(self.engine.target_state)
         if new_def != old_def:
             raise ValueError("update_params: the new policy state's structure differs from the "
                              "engine's")
@@ -163,15 +183,17 @@ class SpeculativeRollout(base_rollout.BaseRollout):
                                  f"{a.shape} {a.dtype}; the engine serves fixed shapes and dtypes")
             moved.append(a if a.sharding == b.sharding else jax.device_put(a, b.sharding))
         self.engine.target_state = jax.tree.unflatten(new_def, moved)
-        if self._shared:
+        if self._shared:  # a view of the engine's (single-device) arrays
             self.engine.frozen = shared_head(nnx.merge(self.engine.graphdef,
                                                        self.engine.target_state))
+        self._source = new_leaves
         self._version += 1
 
     def get_per_token_logps(self, prompt_tokens, completion_tokens, completion_mask=None):
         """``log softmax(logits / T)`` of each completion token (Tunix's learner convention: the
         rollout temperature, no top-k / top-p), float32 ``[B, C]``."""
         del completion_mask  # padded entries are masked by the learner
+        self._sync()
         t = self._config.temperature
         return tunix_logps(self.engine.graphdef, self.engine.target_state,
                            jax.numpy.asarray(prompt_tokens), jax.numpy.asarray(completion_tokens),
@@ -197,6 +219,10 @@ class SpeculativeRollout(base_rollout.BaseRollout):
         requests = [Request(prompt=ids, max_new_tokens=n_new, stop_tokens=stops,
                             temperature=float(rc.temperature), top_k=top_k, top_p=top_p,
                             seed=int(s) & 0x7FFFFFFF) for ids, s in zip(prompt_ids, seeds)]
+        self._sync()
+        if not self._warm:
+            self.engine.warmup(profile=False)
+            self._warm = True
         n_stats = len(self.engine.stats)
         t0 = time.perf_counter()
         results = self.engine.generate(requests)
