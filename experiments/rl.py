@@ -55,7 +55,7 @@ def build_drafter(config, model):
     """``(drafter, params, frozen)``; frozen "shared" = the policy's embedding / LM head."""
     from specjax.drafters import MTPConfig, MTPDrafter, NGramDrafter
     if config.drafter_workdir:
-        from specjax.training.drafter_task import load_drafter
+        from specjax.training.drafter_run import load_drafter
         drafter, params, _ = load_drafter(config.drafter_workdir)
         return drafter, params, "shared" if drafter.hidden_layers else None
     if config.drafter_kind == "mtp":

@@ -223,7 +223,7 @@ class SpeculativeRollout(base_rollout.BaseRollout):
         if not self._warm:
             self.engine.warmup(profile=False)
             self._warm = True
-        n_stats = len(self.engine.stats)
+        n_stats = (len(self.engine.stats), len(getattr(self.engine, "loop_stats", [])))
         t0 = time.perf_counter()
         results = self.engine.generate(requests)
         wall = time.perf_counter() - t0
@@ -307,11 +307,18 @@ class SpeculativeRollout(base_rollout.BaseRollout):
 
     def _metrics(self, results, requests, logp, ent, wall, n_stats) -> dict:
         cfg = self.engine.config
-        stats = self.engine.stats[n_stats:]
-        drafted = int(sum(s.drafts_verified for s in stats))
+        device_loop = getattr(cfg, "loop", "host") == "device"
         accepted = int(sum(r.accepted for r in results))
         steps = int(sum(r.steps for r in results))
         n_tok = int(sum(len(r.tokens) for r in results))
+        pos = None
+        if device_loop:  # the device loop counts drafts verified / accepted per position
+            calls = self.engine.loop_stats[n_stats[1]:]
+            d = np.sum([c.drafted for c in calls], axis=0) if calls else np.zeros(cfg.gamma)
+            a = np.sum([c.accepted for c in calls], axis=0) if calls else np.zeros(cfg.gamma)
+            drafted, pos = int(np.sum(d)), (a, d)
+        else:
+            drafted = int(sum(s.drafts_verified for s in self.engine.stats[n_stats[0]:]))
         all_ent = np.concatenate(ent) if ent else np.zeros(0)
         m = {"rollout": self._calls, "weights_version": self._version,
              "sequences": len(results), "tokens": n_tok, "steps": steps, "drafted": drafted,
@@ -325,7 +332,17 @@ class SpeculativeRollout(base_rollout.BaseRollout):
              "mean_length": n_tok / max(1, len(results)),
              "stopped": float(np.mean([r.finish_reason == "stop" for r in results])),
              "wall_s": wall, "tokens_per_s": n_tok / wall if wall > 0 else None}
-        if cfg.scheduler.policy == "fixed" and not cfg.overlap:
+        if pos is not None:
+            # survival_k = P(drafts 1..k accepted | k drafts verified), exact counts;
+            # alpha_k = survival_k / survival_{k-1}: the conditional acceptance at position k
+            # (exact when the verified length does not depend on the position reached)
+            a, d = pos
+            surv = [float(a[j] / d[j]) if d[j] else None for j in range(len(d))]
+            for j, sv in enumerate(surv):
+                m[f"survival_{j + 1}"] = sv
+                prev = 1.0 if j == 0 else surv[j - 1]
+                m[f"alpha_{j + 1}"] = sv / prev if sv is not None and prev else None
+        elif cfg.scheduler.policy == "fixed" and not cfg.overlap:
             k = min(cfg.scheduler.k, cfg.gamma)
             acc, tried = position_acceptance(results, [r.max_new_tokens for r in requests],
                                              requests[0].stop_tokens if requests else (), k)
