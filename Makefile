@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 $(STAMP): setup.cfg constraints.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,interop]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,interop,rl]'
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 

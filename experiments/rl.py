@@ -1,0 +1,171 @@
+r"""GRPO with speculative rollouts: ``python -m experiments.rl --config ... --workdir ...``.
+
+Tunix runs GRPO (``GRPOLearner`` over an ``RLCluster``); rollouts go through
+:class:`specjax.rl.SpeculativeRollout` (the specjax engine with a frozen drafter, exact
+verification); the learner trains :class:`specjax.rl.TunixPolicy` (the specjax target, one copy of
+its weights). The reward is :mod:`specjax.rl.task`'s math correctness (+ optional format bonus).
+Configs and commands: ``experiments/configs/rl_grpo.py``.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Path to a config file with get_config(arg), optionally ':arg'.",
+    lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, rollout.jsonl, results.json.")
+
+
+def build_target(config):
+    """``(Transformer, specjax Tokenizer)``: a trained target workdir, or (empty) a random
+    ``config.preset`` model with a small tokenizer trained on the math problems."""
+    from flax import nnx
+
+    from specjax.data.math_problems import math_problems
+    from specjax.data.tokenizer import load_tokenizer, train_tokenizer
+    from specjax.models import get_preset, init_model
+    if not config.target_workdir:
+        tok = train_tokenizer([p.text for p in math_problems(config.seed, 400)], vocab_size=320)
+        model = init_model(get_preset(config.preset, vocab_size=tok.vocab_size), seed=config.seed)
+        return model, tok
+    from specjax.training.config import validate_config
+    from specjax.training.drafter_task import load_target
+    from specjax.training.lm_task import model_config_from
+    with open(os.path.join(config.target_workdir, "config.json")) as f:
+        tcfg = validate_config(json.load(f))
+    mcfg = model_config_from(tcfg)
+    graphdef, params = load_target(mcfg, config.target_workdir)
+    state = nnx.state(nnx.eval_shape(lambda: init_model(mcfg)))
+    nnx.replace_by_pure_dict(state, params)
+    model = nnx.merge(graphdef, state)
+    data_dir = config.data_dir or tcfg.data.data_dir or os.environ.get("SPECJAX_DATA_DIR") or \
+        os.path.join(os.path.expanduser("~"), ".cache", "specjax", "data",
+                     f"vocab{mcfg.vocab_size}")
+    return model, load_tokenizer(data_dir)
+
+
+def build_drafter(config, model):
+    """``(drafter, params, frozen)``; frozen "shared" = the policy's embedding / LM head."""
+    from specjax.drafters import MTPConfig, MTPDrafter, NGramDrafter
+    if config.drafter_workdir:
+        from specjax.training.drafter_run import load_drafter
+        drafter, params, _ = load_drafter(config.drafter_workdir)
+        return drafter, params, "shared" if drafter.hidden_layers else None
+    if config.drafter_kind == "mtp":
+        d, p = MTPDrafter.create(model.config, MTPConfig(), seed=config.seed + 1)
+        return d, p, "shared"
+    if config.drafter_kind == "ngram":
+        return NGramDrafter(model.config.vocab_size), None, None
+    raise ValueError(f"drafter_kind must be 'mtp' or 'ngram', got {config.drafter_kind!r}")
+
+
+def run(config, workdir: str) -> dict:
+    """Builds the target, drafter, task and Tunix cluster; trains; returns (and writes) results."""
+    import jax
+    import optax
+    import orbax.checkpoint as ocp
+    from flax import nnx
+    from tunix.rl import rl_cluster as rl
+    from tunix.rl.grpo.grpo_learner import GRPOConfig, GRPOLearner
+    from tunix.rl.rollout.base_rollout import RolloutConfig
+    from tunix.sft.metrics_logger import MetricsLoggerOptions
+
+    from specjax.engine import EngineConfig
+    from specjax.rl import SpeculativeRollout, TunixPolicy
+    from specjax.rl import task as T
+    from specjax.scheduling import SchedulerConfig
+
+    workdir = os.path.abspath(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    model, tok = build_target(config)
+    drafter, dparams, frozen = build_drafter(config, model)
+    train, heldout = T.split_problems(config.task.problem_seed, config.task.n_train,
+                                      config.task.n_heldout)
+    ttok = T.TunixTokenizer(tok)
+    r, e = config.rl, config.engine
+    max_len = r.max_prompt_length + max(r.max_new_tokens, r.eval_max_new_tokens) + e.gamma + 2
+    engine_config = EngineConfig(
+        num_slots=e.num_slots, max_len=max_len, gamma=e.gamma, method=e.method,
+        prefill_buckets=(32, 128) if r.max_prompt_length > 32 else (32,),
+        scheduler=SchedulerConfig("fixed", k=e.gamma), overlap=e.overlap)
+    rollout_config = RolloutConfig(
+        max_tokens_to_generate=r.max_new_tokens, max_prompt_length=r.max_prompt_length,
+        temperature=r.temperature, top_p=r.top_p, eos_tokens=[ttok.eos_id()], seed=config.seed)
+    n_dev = len(jax.devices())
+    mesh = jax.make_mesh((n_dev, 1), ("fsdp", "tensor"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    training_config = rl.RLTrainingConfig(
+        actor_optimizer=optax.adamw(r.learning_rate), eval_every_n_steps=10 ** 9,
+        max_steps=r.steps, checkpoint_root_directory=os.path.join(workdir, "checkpoints"),
+        checkpointing_options=ocp.CheckpointManagerOptions(
+            save_interval_steps=r.checkpoint_every, max_to_keep=2),
+        metrics_logging_options=MetricsLoggerOptions(
+            log_dir=os.path.join(workdir, "tensorboard"), flush_every_n_steps=1))
+    rollout_engine = functools.partial(
+        SpeculativeRollout, drafter=drafter, drafter_params=dparams, frozen=frozen,
+        engine_config=engine_config, seed=config.seed,
+        metrics_jsonl=os.path.join(workdir, "rollout.jsonl"))
+    cluster = rl.RLCluster(
+        actor=TunixPolicy(model), reference=TunixPolicy(model) if r.beta else None,
+        tokenizer=ttok, cluster_config=rl.ClusterConfig(
+            role_to_mesh={rl.Role.ACTOR: mesh, rl.Role.REFERENCE: mesh, rl.Role.ROLLOUT: mesh},
+            rollout_engine=rollout_engine, offload_to_cpu=False,
+            training_config=training_config, rollout_config=rollout_config))
+    rollout = cluster.rollout.attach(cluster)
+
+    def correct(prompts, completions, answer, **kw):
+        return T.correctness_reward(prompts, completions, answer)
+
+    def fmt(prompts, completions, **kw):
+        return T.format_reward(prompts, completions, weight=config.task.format_reward)
+
+    rewards = [correct] + ([fmt] if config.task.format_reward else [])
+    learner = GRPOLearner(rl_cluster=cluster, reward_fns=rewards, algo_config=GRPOConfig(
+        num_generations=r.num_generations, num_iterations=1, beta=r.beta, epsilon=r.epsilon))
+    start_step = int(cluster.actor_trainer.restored_global_step())
+    # the rollout engine must serve the (possibly restored) policy before evaluating it
+    rollout.update_params(nnx.state(rollout.model(), nnx.Param))
+    eval_rc = RolloutConfig(max_tokens_to_generate=r.eval_max_new_tokens,
+                            max_prompt_length=r.max_prompt_length, temperature=0.0,
+                            eos_tokens=[ttok.eos_id()])
+
+    def heldout_accuracy():
+        with mesh:  # the context Tunix runs rollouts in (jit caches are keyed on it)
+            out = rollout.generate([p.prompt for p in heldout], eval_rc, mode="eval")
+        return T.accuracy(out.text, heldout)
+
+    acc0 = heldout_accuracy()
+    t0 = time.perf_counter()
+    learner.train(T.batches(train, r.prompts_per_step, config.seed, r.steps))
+    train_s = time.perf_counter() - t0
+    rollout.update_params(nnx.state(rollout.model(), nnx.Param))
+    acc1 = heldout_accuracy()
+    results = {"start_step": start_step, "end_step": int(cluster.global_steps),
+               "heldout_accuracy_start": acc0, "heldout_accuracy_end": acc1,
+               "n_heldout": len(heldout), "train_seconds": train_s,
+               "devices": n_dev, "method": e.method, "gamma": e.gamma}
+    with open(os.path.join(workdir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    cluster.close()
+    return results
+
+
+def main(argv) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+    res = run(_CONFIG.value, _WORKDIR.value)
+    print(json.dumps(res, indent=1), file=sys.stdout)
+
+
+if __name__ == "__main__":
+    flags.mark_flags_as_required(["config", "workdir"])
+    app.run(main)

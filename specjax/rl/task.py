@@ -1,0 +1,99 @@
+"""The verifiable-reward task: the embedded math word problems, graded by their exact answers.
+
+A completion scores 1 when its first ``#### <n>`` line holds the problem's answer
+(:func:`specjax.data.math_problems.check_answer`), else 0; an optional format reward adds a small
+bonus for producing an answer line at all. Train and held-out prompts are disjoint (no question
+text in both).
+
+Batches are what Tunix's learner consumes: dicts of numpy arrays, ``"prompts"`` (text) and
+``"answer"`` (ints, passed on to the reward functions as a keyword argument).
+"""
+from __future__ import annotations
+
+import random
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from specjax.data.math_problems import MathProblem, check_answer, extract_answer, math_problems
+
+__all__ = ["TunixTokenizer", "split_problems", "batches", "correctness_reward", "format_reward",
+           "accuracy"]
+
+
+class TunixTokenizer:
+    """A specjax :class:`~specjax.data.tokenizer.Tokenizer` with the methods Tunix calls.
+
+    ``bos_id`` is the end-of-text id: specjax's documents start after an EOS separator, so every
+    prompt is conditioned the way training documents were.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str, **kwargs) -> list[int]:
+        return self.tokenizer.encode(str(text))
+
+    def decode(self, ids, **kwargs) -> str:
+        return self.tokenizer.decode([int(i) for i in ids])
+
+    def bos_id(self) -> int:
+        return self.tokenizer.eos_id
+
+    def eos_id(self) -> int:
+        return self.tokenizer.eos_id
+
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_id
+
+
+def split_problems(seed: int, n_train: int, n_heldout: int) -> tuple[list[MathProblem],
+                                                                     list[MathProblem]]:
+    """Disjoint train / held-out problems (held-out first, so it does not move with n_train)."""
+    if n_train < 1 or n_heldout < 1:
+        raise ValueError(f"n_train and n_heldout must be >= 1, got {n_train}, {n_heldout}")
+    pool = math_problems(seed, 2 * (n_train + n_heldout))
+    seen, uniq = set(), []
+    for p in pool:
+        if p.question not in seen:
+            seen.add(p.question)
+            uniq.append(p)
+    if len(uniq) < n_train + n_heldout:
+        raise ValueError(f"only {len(uniq)} distinct problems for seed {seed}")
+    return uniq[n_heldout:n_heldout + n_train], uniq[:n_heldout]
+
+
+def batches(problems: Sequence[MathProblem], batch_size: int, seed: int,
+            num_batches: int) -> Iterator[dict]:
+    """``num_batches`` batches of ``batch_size`` prompts, reshuffled every pass (seeded)."""
+    if not 0 < batch_size <= len(problems):
+        raise ValueError(f"batch_size must be in [1, {len(problems)}], got {batch_size}")
+    rng = random.Random(seed)
+    order: list[int] = []
+    for _ in range(num_batches):
+        if len(order) < batch_size:
+            extra = list(range(len(problems)))
+            rng.shuffle(extra)
+            order += extra
+        idx, order = order[:batch_size], order[batch_size:]
+        # numpy arrays, not lists: Tunix repeats every leaf of the batch G times (a list of
+        # strings would be a pytree of string leaves, each turned into an array of G copies)
+        yield {"prompts": np.array([problems[i].prompt for i in idx]),
+               "answer": np.array([problems[i].answer for i in idx], np.int64)}
+
+
+def correctness_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """1.0 where the completion's first answer line is the right answer, else 0.0."""
+    return [float(check_answer(int(a), c)) for a, c in zip(answer, completions)]
+
+
+def format_reward(prompts, completions, weight: float = 0.1, **kwargs) -> list[float]:
+    """``weight`` where the completion has an answer line ``#### <n>``, else 0."""
+    return [weight if extract_answer(c) is not None else 0.0 for c in completions]
+
+
+def accuracy(completions: Sequence[str], problems: Sequence[MathProblem]) -> float:
+    """Fraction of completions that answer their problem correctly."""
+    if not problems:
+        raise ValueError("no problems")
+    return sum(check_answer(p, c) for p, c in zip(problems, completions)) / len(problems)
