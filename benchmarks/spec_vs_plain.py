@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import jax
@@ -116,6 +117,7 @@ def run(args) -> dict:
     from experiments.offline_eval import load_trained
     from specjax.models.generate import generate_timed
     from experiments.reproduce import target_config_of
+    from specjax.drafters import NGramDrafter
     from specjax.data.tokenizer import load_tokenizer
     from specjax.training.drafter_task import load_target
     from specjax.training.lm_task import model_config_from
@@ -138,7 +140,8 @@ def run(args) -> dict:
            "target_params": tcfg.num_params(), "cells": []}
     max_len = args.max_len
     for b in args.batch:
-        engines = {"engine_none": _engine(target, *next(iter(drafters.values()))[:3],
+        # plain decoding never drafts: the cheapest drafter keeps its prefill out of the timing
+        engines = {"engine_none": _engine(target, NGramDrafter(tcfg.vocab_size), None, None,
                                           slots=b, gamma=1, policy="none", k=0, max_len=max_len)}
         for name, (d, p, f, gamma) in drafters.items():
             for policy in args.policies:
@@ -178,7 +181,32 @@ def run(args) -> dict:
                 _speedups(cell)
                 out["cells"].append(cell)
                 print(_line(cell), flush=True)
+    out["_model"], out["_tok"] = model, tok  # for the max_len sweep (not serialised)
     return out
+
+
+def max_len_sweep(model, target, tok, args) -> list[dict]:
+    """Plain decoders' time per step at fixed context (``--prompt-len`` + ``--new-tokens``) while
+    ``max_len`` grows: attention must follow the context, not the cache size."""
+    from specjax.drafters import NGramDrafter
+    from specjax.models.generate import generate_timed
+    rows = []
+    for b in args.batch:
+        prompts = _prompts(tok, "math", b, args.prompt_len)
+        for max_len in args.sweep_max_len:
+            t_gen, r = _median_time(lambda: generate_timed(
+                model, prompts, args.new_tokens, temperature=0.0, max_len=max_len), args.reps)
+            eng = _engine(target, NGramDrafter(model.config.vocab_size), None, None, slots=b,
+                          gamma=1, policy="none", k=0, max_len=max_len)
+            t_eng, _ = _median_time(lambda: _run_engine(eng, prompts, args.new_tokens, 0.0),
+                                    args.reps)
+            rows.append({"batch": b, "max_len": max_len,
+                         "generate_step_s": t_gen / args.new_tokens,
+                         "engine_none_step_s": t_eng / args.new_tokens})
+            print(f"max_len sweep B={b} L={max_len}: generate {1e3 * rows[-1]['generate_step_s']:.2f}"
+                  f" ms/step, engine none {1e3 * rows[-1]['engine_none_step_s']:.2f} ms/step",
+                  flush=True)
+    return rows
 
 
 def _speedups(cell: dict) -> None:
@@ -217,6 +245,48 @@ def _line(cell: dict) -> str:
     return " | ".join(parts)
 
 
+def render(res: dict, md_path: str, png_path: str) -> None:
+    """The docs table (markdown) and a PNG of speed-ups per cell, from the benchmark JSON."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    specs = sorted({n for c in res["cells"] for n in c["decoders"] if n.startswith("spec:")})
+    m = res["machine"]
+    lines = [f"Command: `python -m benchmarks.spec_vs_plain {' '.join(res.get('argv', []))}`", "",
+             f"Machine: {m['cpu']}, {m['cores']} cores, backend {m['backend']}; target "
+             f"{res['target_params'] / 1e6:.2f}M parameters; medians of {res['config']['reps']} "
+             f"runs after a warm-up; prompt {res['config']['prompt_len']} tokens, "
+             f"{res['config']['new_tokens']} new tokens, max_len {res['config']['max_len']}.", "",
+             "| domain | B | T | fastest plain (tok/s) | device / host loop | engine none / fastest | "
+             + " | ".join(f"{s} speed-up (τ, predicted, measured/predicted)" for s in specs) + " |",
+             "|---|---|---|---|---|---|" + "---|" * len(specs)]
+    for c in res["cells"]:
+        d = c["decoders"]
+        row = [c["domain"], str(c["batch"]), f"{c['temperature']:g}",
+               f"{d[c['baseline']]['tokens_per_s']:.0f} ({c['baseline']})",
+               f"{c['device_loop_vs_host_loop']:.2f}", f"{c['engine_none_vs_fastest']:.2f}"]
+        for s in specs:
+            e = d[s]
+            row.append(f"**{e['speedup']:.2f}x** ({e['tau']:.2f}, {e['predicted_speedup']:.2f}, "
+                       f"{e['measured_over_predicted']:.2f})")
+        lines.append("| " + " | ".join(row) + " |")
+    with open(md_path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    fig, ax = plt.subplots(figsize=(max(6, len(res["cells"]) * 0.5), 3.5))
+    labels = [f"{c['domain']}\nB{c['batch']} T{c['temperature']:g}" for c in res["cells"]]
+    x = np.arange(len(labels))
+    w = 0.8 / max(1, len(specs))
+    for i, s in enumerate(specs):
+        ax.bar(x + i * w, [c["decoders"][s]["speedup"] for c in res["cells"]], w, label=s)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(x + w * (len(specs) - 1) / 2, labels, fontsize=6)
+    ax.set_ylabel("speed-up vs fastest plain decoder")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True, help="target training workdir")
@@ -230,17 +300,30 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--sweep-max-len", type=int, nargs="*", default=[256, 2048],
+                    help="max_len values of the fixed-context step-time sweep (none: skip)")
     ap.add_argument("--out", default="benchmarks/results/spec_vs_plain.json")
+    ap.add_argument("--md", default="", help="also write the docs table here")
+    ap.add_argument("--png", default="", help="also write the speed-up plot here")
     ap.add_argument("--quick", action="store_true", help="one cell, one rep")
     args = ap.parse_args(argv)
     if args.quick:
         args.domains, args.batch, args.temperatures, args.reps = ["math"], [1], [0.0], 1
         args.new_tokens, args.max_len = 16, 128
+        args.sweep_max_len = [128, 256]
     res = run(args)
+    if args.sweep_max_len:
+        from flax import nnx
+        model = res.pop("_model")
+        res["max_len_sweep"] = max_len_sweep(model, nnx.split(model), res.pop("_tok"), args)
+    res.pop("_model", None), res.pop("_tok", None)
+    res["argv"] = list(argv) if argv is not None else sys.argv[1:]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     print(f"wrote {args.out}")
+    if args.md or args.png:
+        render(res, args.md or os.devnull, args.png or os.path.splitext(args.out)[0] + ".png")
     return res
 
 
