@@ -150,7 +150,7 @@ def run_adaptation(p, model, tok, target_workdir, workdir) -> list[dict]:
         r = dict(cell, seconds=time.perf_counter() - t0,
                  accept_rate=float(ev["accept_rate"]),
                  alpha=[float(ev[f"alpha_{k + 1}"]) for k in range(cell["gamma"])],
-                 tv=float(ev["tv"]), ce=float(ev["ce"]), workdir=d)
+                 tv=float(ev["tv"]), ce=float(ev["ce"]))
         with open(done, "w") as f:
             json.dump(r, f, indent=1)
         out.append(r)
@@ -170,7 +170,8 @@ def run_arms(p, model_factory, tok, adapt, workdir) -> list[dict]:
                 with open(os.path.join(d, "arm.json")) as f:
                     out.append(json.load(f))
                 continue
-            drafter, dparams, _ = load_drafter(base[arm["head"]]["workdir"])
+            drafter, dparams, _ = load_drafter(
+                os.path.join(workdir, "adapt", base[arm["head"]]["name"]))
             out.append(run_arm(arm, seed, p, model_factory(), tok, drafter, dparams, d))
     return out
 
