@@ -128,6 +128,7 @@ class SpeculativeRollout(base_rollout.BaseRollout):
         self._sink: Optional[Callable[[dict], None]] = None
         self._score_batch = int(score_batch or engine_config.num_slots)
         self.last_metrics: Optional[dict] = None
+        self.last_batch: Optional[dict] = None
 
     # ------------------------------------------------------------------------------ Tunix API
     def pad_id(self) -> int:
@@ -189,6 +190,22 @@ class SpeculativeRollout(base_rollout.BaseRollout):
         self._source = new_leaves
         self._version += 1
 
+    def set_drafter_params(self, params) -> None:
+        """Serves new drafter params (e.g. after an online update, :mod:`specjax.rl.online`).
+        Same structure, shapes and dtypes as the current ones (nothing recompiles); whatever the
+        drafter, verification keeps every rollout an exact sample of the policy."""
+        old_leaves, old_def = jax.tree.flatten(self.engine.params)
+        new_leaves, new_def = jax.tree.flatten(params)
+        if new_def != old_def:
+            raise ValueError("set_drafter_params: the params' structure differs from the engine's")
+        moved = []
+        for a, b in zip(new_leaves, old_leaves):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise ValueError(f"set_drafter_params: {b.shape} {b.dtype} -> {a.shape} {a.dtype}")
+            moved.append(a if getattr(a, "sharding", None) == b.sharding
+                         else jax.device_put(a, b.sharding))
+        self.engine.params = jax.tree.unflatten(new_def, moved)
+
     def get_per_token_logps(self, prompt_tokens, completion_tokens, completion_mask=None):
         """``log softmax(logits / T)`` of each completion token (Tunix's learner convention: the
         rollout temperature, no top-k / top-p), float32 ``[B, C]``."""
@@ -241,6 +258,8 @@ class SpeculativeRollout(base_rollout.BaseRollout):
             padded[i, p_len - len(ids):] = ids
         metrics = self._metrics(results, requests, logp, ent, wall, n_stats)
         metrics["mode"] = mode
+        # per-sequence detail for studies (clustered errors, online drafter updates)
+        self.last_batch = {"prompts": prompt_ids, "results": results, "entropy": ent}
         self._record(metrics)
         self._calls += 1
         return base_rollout.RolloutOutput(

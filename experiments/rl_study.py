@@ -1,0 +1,214 @@
+r"""The RL study (docs/RL.md): pre-RL drafter adaptation, then GRPO arms with speculative rollouts.
+
+    python -m experiments.rl_study --mode tiny  --workdir /tmp/specjax/rl_study_tiny
+    python -m experiments.rl_study --mode small --workdir /tmp/specjax/rl_study_small
+    python -m experiments.rl_study --mode full  --workdir runs/rl_study \
+        --target_workdir runs/pretrain_target
+
+1. **Pre-RL adaptation.** MTP heads (``experiments/configs/train_drafter.py`` ``mtp_<loss>``) trained
+   with hard CE, KL (Bebop's soft CE), TV and e2e-TV on the policy's own samples (rows of
+   prompt + policy completion at the sampling temperature), through
+   :func:`specjax.training.drafter_run.run_drafter`; sweeps of γ, head capacity (MLP width) and
+   temperature around a base cell. Held-out teacher-forced RS acceptance per cell.
+2. **GRPO arms** (``experiments/rl_study_arms.py``): no speculation; TO + CE head; RS + CE head;
+   RS + e2e-TV head (frozen); RS + e2e-TV head updated online with CE; ... with TV.
+3. **Analysis** (``experiments/rl_study_report.py``): ``study.json`` and the figures.
+
+Every finished cell / arm writes its own JSON; re-running skips them (resume per arm).
+tiny: a random tiny target, 2 RL steps, one seed (a smoke run: its numbers mean nothing).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+MODES = {
+    "tiny": dict(preset="tiny", losses=("ce", "kl", "tv", "e2e_tv"), gammas=(2,), caps=(64,),
+                 temps=(1.0,), drafter_steps=2, drafter_batch=4, n_rows=8, rl_steps=2, seeds=(0,),
+                 eval_every=1, n_train=32, n_heldout=4, prompts_per_step=2, num_generations=2,
+                 max_new_tokens=8, max_prompt_length=96, num_slots=4, learning_rate=1e-3,
+                 drafter_lr=1e-3, problem_seed=1234),
+    "small": dict(preset="tiny", losses=("ce", "kl", "tv", "e2e_tv"), gammas=(3, 5), caps=(64, 256),
+                  temps=(0.6, 1.0), drafter_steps=100, drafter_batch=8, n_rows=128, rl_steps=20,
+                  seeds=(0, 1, 2), eval_every=5, n_train=256, n_heldout=32, prompts_per_step=4,
+                  num_generations=4, max_new_tokens=32, max_prompt_length=96, num_slots=16,
+                  learning_rate=1e-4, drafter_lr=1e-4, problem_seed=1234),
+    "full": dict(preset="small", losses=("ce", "kl", "tv", "e2e_tv"), gammas=(3, 5, 7),
+                 caps=(128, 256, 768), temps=(0.6, 1.0, 1.2), drafter_steps=300, drafter_batch=16,
+                 n_rows=1024, rl_steps=100, seeds=(0, 1, 2), eval_every=10, n_train=2000,
+                 n_heldout=200, prompts_per_step=8, num_generations=4, max_new_tokens=64,
+                 max_prompt_length=96, num_slots=32, learning_rate=1e-5, drafter_lr=1e-4,
+                 problem_seed=1234),
+}
+ARMS = (
+    {"name": "no_spec", "method": "none", "head": "ce", "online": None},
+    {"name": "to_ce", "method": "target_only", "head": "ce", "online": None},
+    {"name": "rs_ce", "method": "rejection", "head": "ce", "online": None},
+    {"name": "rs_e2e_tv", "method": "rejection", "head": "e2e_tv", "online": None},
+    {"name": "rs_e2e_tv_online_ce", "method": "rejection", "head": "e2e_tv", "online": "ce"},
+    {"name": "rs_e2e_tv_online_tv", "method": "rejection", "head": "e2e_tv", "online": "tv"},
+)
+
+
+def mode_params(mode: str) -> dict:
+    if mode not in MODES:
+        raise ValueError(f"--mode must be one of {sorted(MODES)}, got {mode!r}")
+    p = dict(MODES[mode])
+    p["mode"] = mode
+    p["temperature"] = 1.0 if 1.0 in p["temps"] else p["temps"][0]  # the RL sampling temperature
+    p["gamma"], p["cap"] = p["gammas"][0], p["caps"][-1]  # the base cell (and the arms' γ)
+    return p
+
+
+def adaptation_cells(p: dict) -> list[dict]:
+    """Every loss at the base cell, and one-factor sweeps of γ, capacity and temperature."""
+    cells, seen = [], set()
+    base = dict(gamma=p["gamma"], cap=p["cap"], temp=p["temperature"])
+    for loss in p["losses"]:
+        for key, vals in (("gamma", p["gammas"]), ("cap", p["caps"]), ("temp", p["temps"])):
+            for v in vals:
+                c = dict(base, loss=loss, **{key: v})
+                name = f"{loss}_g{c['gamma']}_c{c['cap']}_t{c['temp']}"
+                if name not in seen:
+                    seen.add(name)
+                    cells.append(dict(c, name=name))
+    return cells
+
+
+def build_policy(p: dict, target_workdir: str):
+    """``(model, tokenizer, target_seed)``: the pretrained target, or a random ``preset`` model
+    with a tokenizer trained on the math problems (as ``experiments/rl.py`` tiny)."""
+    import ml_collections
+
+    from experiments.rl import build_target
+    c = ml_collections.ConfigDict(dict(target_workdir=target_workdir, preset=p["preset"], seed=0,
+                                       data_dir=""))
+    model, tok = build_target(c)
+    return model, tok
+
+
+def policy_rows(model, tok, problems, temperature: float, n: int, seq_len: int, seed: int):
+    """Rows of ``[EOS] prompt completion`` with completions sampled from the policy."""
+    import numpy as np
+
+    from specjax.models.generate import generate
+    probs = [problems[i % len(problems)] for i in range(n)]
+    prompts = [[tok.eos_id] + tok.encode(q.prompt) for q in probs]
+    gen = generate(model, prompts, seq_len - max(len(x) for x in prompts), temperature=temperature,
+                   eos_id=tok.eos_id, seed=seed, max_len=seq_len)
+    tokens = np.full((n, seq_len), tok.pad_id, np.int32)
+    lengths = np.zeros(n, np.int32)
+    for i, (pr, g) in enumerate(zip(prompts, gen)):
+        s = (pr + list(g))[:seq_len]
+        tokens[i, :len(s)], lengths[i] = s, len(s)
+    return {"tokens": tokens, "lengths": lengths, "domain": np.zeros(n, np.int32),
+            "domains": np.array(["math"])}
+
+
+def run_adaptation(p, model, tok, target_workdir, workdir) -> list[dict]:
+    from experiments.configs import train_drafter
+    from specjax.rl import task as T
+    from specjax.training.drafter_data import save_rows
+    from specjax.training.drafter_run import run_drafter
+
+    train, heldout = T.split_problems(p["problem_seed"], p["n_train"], p["n_heldout"])
+    seq_len = p["max_prompt_length"] + p["max_new_tokens"]
+    out = []
+    for cell in adaptation_cells(p):
+        d = os.path.join(workdir, "adapt", cell["name"])
+        done = os.path.join(d, "result.json")
+        if os.path.exists(done):
+            with open(done) as f:
+                out.append(json.load(f))
+            continue
+        files = {}
+        for split, probs in (("train", train), ("eval", heldout)):
+            path = os.path.join(workdir, "data", f"{split}_t{cell['temp']}.npz")
+            if not os.path.exists(path):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                rows = policy_rows(model, tok, probs, cell["temp"],
+                                   p["n_rows"] if split == "train" else max(4, p["n_rows"] // 4),
+                                   seq_len, seed=1 if split == "train" else 2)
+                save_rows(path, rows)
+            files[split] = path
+        c = train_drafter.get_config(f"mtp_{cell['loss']}" + (",tiny" if p["mode"] == "tiny" else ""))
+        c.model.preset = p["preset"]
+        c.model.overrides = {"vocab_size": model.config.vocab_size}
+        c.task.target_workdir, c.task.target_seed = target_workdir, 0
+        c.task.data_file, c.task.eval_file = files["train"], files["eval"]
+        c.task.gamma, c.task.mtp.intermediate_size = cell["gamma"], cell["cap"]
+        c.task.target_temperature = cell["temp"]
+        c.task.anchors_per_row = 16
+        c.data.seq_len, c.data.batch_size, c.data.eval_batches = seq_len, p["drafter_batch"], -1
+        c.train.num_steps, c.checkpoint.every = p["drafter_steps"], p["drafter_steps"]
+        c.train.log_every = max(1, p["drafter_steps"] // 4)
+        t0 = time.perf_counter()
+        res = run_drafter(c, d)
+        ev = res.eval.get("math", next(iter(res.eval.values()), {}))
+        r = dict(cell, seconds=time.perf_counter() - t0,
+                 accept_rate=float(ev["accept_rate"]),
+                 alpha=[float(ev[f"alpha_{k + 1}"]) for k in range(cell["gamma"])],
+                 tv=float(ev["tv"]), ce=float(ev["ce"]))
+        with open(done, "w") as f:
+            json.dump(r, f, indent=1)
+        out.append(r)
+    return out
+
+
+def run_arms(p, model_factory, tok, adapt, workdir) -> list[dict]:
+    from experiments.rl_study_arms import run_arm
+    from specjax.training.drafter_run import load_drafter
+    base = {c["loss"]: c for c in adapt if c["gamma"] == p["gamma"] and c["cap"] == p["cap"]
+            and c["temp"] == p["temperature"]}
+    out = []
+    for arm in ARMS:
+        for seed in p["seeds"]:
+            d = os.path.join(workdir, "arms", f"{arm['name']}_s{seed}")
+            if os.path.exists(os.path.join(d, "arm.json")):
+                with open(os.path.join(d, "arm.json")) as f:
+                    out.append(json.load(f))
+                continue
+            drafter, dparams, _ = load_drafter(
+                os.path.join(workdir, "adapt", base[arm["head"]]["name"]))
+            out.append(run_arm(arm, seed, p, model_factory(), tok, drafter, dparams, d))
+    return out
+
+
+def run_study(mode: str, workdir: str, target_workdir: str = "", results_dir: str = "") -> dict:
+    """Runs (or resumes) the study; writes ``study.json`` and the figures into ``results_dir``
+    (default ``<workdir>/results``) and returns the summary."""
+    from experiments.rl_study_report import summarize, write_figures
+    p = mode_params(mode)
+    if mode == "full" and not target_workdir:
+        raise ValueError("--mode full needs --target_workdir (a pretrain_target.py workdir)")
+    workdir = os.path.abspath(workdir)
+    results_dir = results_dir or os.path.join(workdir, "results")
+    model, tok = build_policy(p, target_workdir)
+    t0 = time.perf_counter()
+    adapt = run_adaptation(p, model, tok, target_workdir, workdir)
+    arms = run_arms(p, lambda: build_policy(p, target_workdir)[0], tok, adapt, workdir)
+    summary = summarize(p, adapt, arms)
+    summary["seconds"] = time.perf_counter() - t0
+    os.makedirs(results_dir, exist_ok=True)
+    with open(os.path.join(results_dir, f"study_{mode}.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    write_figures(summary, results_dir, mode)
+    return summary
+
+
+def main(argv=None) -> None:
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", default="tiny", choices=sorted(MODES))
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--target_workdir", default="")
+    ap.add_argument("--results_dir", default="", help="default <workdir>/results")
+    a = ap.parse_args(argv)
+    s = run_study(a.mode, a.workdir, a.target_workdir, a.results_dir)
+    print(json.dumps(s["claims"], indent=1), file=sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

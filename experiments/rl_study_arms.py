@@ -1,0 +1,185 @@
+"""One GRPO arm of the RL study (``experiments/rl_study.py``): Tunix GRPO with a recording rollout.
+
+:class:`StudyRollout` is :class:`specjax.rl.SpeculativeRollout` plus what the study needs per RL
+step: held-out accuracy every ``eval_every`` steps (greedy, before the step's rollout: the policy
+after the previous update), cluster-robust errors of τ and entropy (clustered by sequence),
+the step's wall-clock split, and optionally one online drafter update on the step's rollouts
+(:class:`specjax.rl.online.OnlineDrafterUpdate`). ``plain=True`` replaces speculative decoding by
+the plain decoder (:func:`specjax.models.generate.generate`): the no-speculation arm.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+
+import numpy as np
+
+from specjax.engine import Result
+from specjax.rl.rollout import SpeculativeRollout
+from specjax.rl.study_stats import clustered_ratio
+
+
+class StudyRollout(SpeculativeRollout):
+    def __init__(self, *args, plain=False, updater=None, eval_fn=None, eval_every=1, **kw):
+        super().__init__(*args, **kw)
+        self.records: list[dict] = []
+        self._plain, self._updater, self._eval_fn = plain, updater, eval_fn
+        self._eval_every = int(eval_every)
+        self._opt_state = updater.init(self.engine.params) if updater is not None else None
+        if plain:
+            self.engine.generate = self._plain_generate
+
+    def _plain_generate(self, requests):
+        from specjax.models.generate import generate
+        from flax import nnx
+        model = nnx.merge(self.engine.graphdef, self.engine.target_state)
+        r0 = requests[0]
+        eos = r0.stop_tokens[0] if r0.stop_tokens else None
+        t0 = time.perf_counter()
+        toks = generate(model, [r.prompt for r in requests], r0.max_new_tokens,
+                        temperature=r0.temperature, eos_id=eos, seed=r0.seed,
+                        max_len=self.engine.config.max_len)
+        now = time.perf_counter()
+        return [Result(request_id=str(i), tokens=list(t), submit_time=t0, finish_time=now,
+                       finish_reason="stop" if eos is not None and eos in t else "length",
+                       steps=max(0, len(t) - 1)) for i, t in enumerate(toks)]
+
+    def generate(self, prompts, rollout_config=None, *, mode="train", **kw):
+        if mode != "train":
+            return super().generate(prompts, rollout_config, mode=mode, **kw)
+        step = len(self.records)
+        rec = {"step": step}
+        if self._eval_fn is not None and step % self._eval_every == 0:
+            rec["heldout_accuracy"] = self._eval_fn(self)
+        rec["t_start"] = time.perf_counter()
+        out = super().generate(prompts, rollout_config, mode=mode, **kw)
+        m = self.last_metrics
+        rec.update({k: m[k] for k in m if k != "mode"})
+        res, ent = self.last_batch["results"], self.last_batch["entropy"]
+        lens = np.array([len(r.tokens) for r in res], np.float64)
+        steps = np.array([r.steps for r in res], np.float64)
+        if not self._plain and steps.sum() > 0:
+            rec["tau"], rec["tau_se"] = clustered_ratio(lens - 1, steps)
+        else:
+            rec["tau"], rec["tau_se"] = None, None
+        if lens.sum() > 0:
+            rec["entropy"], rec["entropy_se"] = clustered_ratio([e.sum() for e in ent], lens)
+        rec["rollout_s"] = m["wall_s"]
+        if self._updater is not None:
+            rec.update(self._online_update())
+        self.records.append(rec)
+        return out
+
+    def _online_update(self) -> dict:
+        """One drafter step on this rollout's sequences (prompt + completion rows)."""
+        import jax
+        t0 = time.perf_counter()
+        b = self.last_batch
+        seqs = [list(p) + list(r.tokens) for p, r in zip(b["prompts"], b["results"])]
+        length = self._config.max_prompt_length + self._config.max_tokens_to_generate
+        rows = np.full((len(seqs), length), self.pad_id(), np.int32)
+        valid = np.zeros_like(rows, bool)
+        for i, s in enumerate(seqs):
+            rows[i, :len(s)], valid[i, :len(s)] = s[:length], True
+        params, self._opt_state, met = self._updater.step(
+            self.engine.params, self._opt_state, self.engine.graphdef, self.engine.target_state,
+            rows, valid)
+        self.set_drafter_params(params)
+        met = jax.device_get(met)
+        return {"drafter_loss": float(met["loss"]), "drafter_grad_norm": float(met["grad_norm"]),
+                "drafter_alpha_tf": float(met["alpha_mean"]),
+                "drafter_update_s": time.perf_counter() - t0}
+
+
+def run_arm(arm: dict, seed: int, p, model, tok, drafter, dparams, workdir: str) -> dict:
+    """Runs one GRPO arm / seed; returns ``{"records": [...], "heldout_accuracy_end", ...}``.
+
+    ``arm``: ``{"name", "method": "none" | "rejection" | "target_only", "online": None | loss}``;
+    ``p``: the mode's parameters (see ``rl_study.MODES``).
+    """
+    import jax
+    import optax
+    from flax import nnx
+    from tunix.rl import rl_cluster as rl
+    from tunix.rl.grpo.grpo_learner import GRPOConfig, GRPOLearner
+    from tunix.rl.rollout.base_rollout import RolloutConfig
+
+    from specjax.engine import EngineConfig
+    from specjax.rl import TunixPolicy
+    from specjax.rl import task as T
+    from specjax.rl.online import OnlineDrafterUpdate
+    from specjax.scheduling import SchedulerConfig
+
+    os.makedirs(workdir, exist_ok=True)
+    train, heldout = T.split_problems(p["problem_seed"], p["n_train"], p["n_heldout"])
+    ttok = T.TunixTokenizer(tok)
+    gamma = p["gamma"]
+    max_len = p["max_prompt_length"] + p["max_new_tokens"] + gamma + 2
+    engine_config = EngineConfig(
+        num_slots=p["num_slots"], max_len=max_len, gamma=gamma,
+        method="rejection" if arm["method"] == "none" else arm["method"],
+        prefill_buckets=(32, 128) if p["max_prompt_length"] > 32 else (32,),
+        scheduler=SchedulerConfig("fixed", k=gamma), overlap=False)
+    rc = RolloutConfig(max_tokens_to_generate=p["max_new_tokens"],
+                       max_prompt_length=p["max_prompt_length"], temperature=p["temperature"],
+                       eos_tokens=[ttok.eos_id()], seed=seed)
+    eval_rc = RolloutConfig(max_tokens_to_generate=p["max_new_tokens"],
+                            max_prompt_length=p["max_prompt_length"], temperature=0.0,
+                            eos_tokens=[ttok.eos_id()])
+
+    def eval_fn(rollout):
+        with mesh:
+            out = rollout.generate([q.prompt for q in heldout], eval_rc, mode="eval")
+        return T.accuracy(out.text, heldout)
+
+    updater = None
+    if arm["online"]:
+        updater = OnlineDrafterUpdate(drafter, arm["online"], learning_rate=p["drafter_lr"],
+                                      gamma=gamma, max_grad_norm=1.0,
+                                      temperature=p["temperature"])
+    mesh = jax.make_mesh((1, 1), ("fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=jax.devices()[:1])
+    tcfg = rl.RLTrainingConfig(actor_optimizer=optax.adamw(p["learning_rate"]),
+                               eval_every_n_steps=10 ** 9, max_steps=p["rl_steps"])
+    rollout_engine = functools.partial(
+        StudyRollout, drafter=drafter, drafter_params=dparams, frozen="shared",
+        engine_config=engine_config, seed=seed, plain=arm["method"] == "none", updater=updater,
+        eval_fn=eval_fn, eval_every=p["eval_every"],
+        metrics_jsonl=os.path.join(workdir, "rollout.jsonl"))
+    cluster = rl.RLCluster(
+        actor=TunixPolicy(model), reference=None, tokenizer=ttok,
+        cluster_config=rl.ClusterConfig(
+            role_to_mesh={rl.Role.ACTOR: mesh, rl.Role.REFERENCE: mesh, rl.Role.ROLLOUT: mesh},
+            rollout_engine=rollout_engine, offload_to_cpu=False, training_config=tcfg,
+            rollout_config=rc))
+    rollout = cluster.rollout
+    rewards_log: list[dict] = []
+
+    def correct(prompts, completions, answer, **kw):
+        t0 = time.perf_counter()
+        r = T.correctness_reward(prompts, completions, answer)
+        rewards_log.append({"reward": float(np.mean(r)), "reward_s": time.perf_counter() - t0})
+        return r
+
+    learner = GRPOLearner(rl_cluster=cluster, reward_fns=[correct], algo_config=GRPOConfig(
+        num_generations=p["num_generations"], num_iterations=1, beta=0.0, epsilon=0.2))
+    rollout.update_params(nnx.state(rollout.model(), nnx.Param))
+    t0 = time.perf_counter()
+    learner.train(T.batches(train, p["prompts_per_step"], seed, p["rl_steps"]))
+    t_end = time.perf_counter()
+    rollout.update_params(nnx.state(rollout.model(), nnx.Param))
+    acc_end = eval_fn(rollout)
+    recs = rollout.records
+    for i, r in enumerate(recs):
+        nxt = recs[i + 1]["t_start"] if i + 1 < len(recs) else t_end
+        r["step_s"] = nxt - r.pop("t_start")
+        r.update(rewards_log[i] if i < len(rewards_log) else {})
+        r["update_s"] = r["step_s"] - r["rollout_s"] - r.get("reward_s", 0.0) - \
+            r.get("drafter_update_s", 0.0)
+    out = {"arm": arm["name"], "seed": seed, "records": recs, "heldout_accuracy_end": acc_end,
+           "n_heldout": len(heldout), "train_seconds": t_end - t0}
+    with open(os.path.join(workdir, "arm.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    return out

@@ -1,0 +1,179 @@
+"""Analysis and figures of the RL study (``experiments/rl_study.py``; what they mean: docs/RL.md).
+
+:func:`summarize` turns the adaptation cells and the arms' per-step records into ``study.json``:
+per-arm series (mean over seeds), the entropy-acceptance slope (Bebop Fig. 8), the eq. 16
+decomposition (Fig. 3), the acceptance drift from step 0, held-out accuracy gains and rollout /
+step latency (Fig. 7), and the four claims checked against their thresholds.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from specjax.rl.study_stats import decompose_delta_alpha, mean_se, ols_slope
+
+SERIES = ("acceptance", "tau", "entropy", "reward", "heldout_accuracy", "rollout_s", "step_s",
+          "reward_s", "update_s")
+
+
+def _series(records, key):
+    return [r.get(key) for r in records]
+
+
+def _slope_and_decomp(recs):
+    a = np.array([r.get("acceptance") for r in recs], dtype=object)
+    if any(x is None for x in a):
+        return None
+    a = a.astype(np.float64)
+    h = np.array([r["entropy"] for r in recs], np.float64)
+    early = max(2, len(recs) // 2)  # b from the early phase (Bebop eq. 16)
+    b_early, _ = ols_slope(h[:early], a[:early])
+    b_all, _ = ols_slope(h, a)
+    return {"slope": b_all, "slope_early": b_early,
+            "decomposition": decompose_delta_alpha(a, h, b_early),
+            "drift_max": float(np.max(np.abs(a - a[0])))}
+
+
+def summarize(p: dict, adapt: list[dict], arms: list[dict]) -> dict:
+    """The study's summary (JSON-ready)."""
+    by_arm: dict[str, list[dict]] = {}
+    for run in arms:
+        by_arm.setdefault(run["arm"], []).append(run)
+    out_arms = {}
+    for name, runs in by_arm.items():
+        steps = min(len(r["records"]) for r in runs)
+        mean = {}
+        for key in SERIES:
+            vals = [[x for x in _series(r["records"][:steps], key)] for r in runs]
+            mean[key] = [mean_se([v[t] for v in vals])[0] if any(v[t] is not None for v in vals)
+                         else None for t in range(steps)]
+        per_seed = [_slope_and_decomp(r["records"][:steps]) for r in runs]
+        a = {"seeds": [r["seed"] for r in runs], "steps": steps, "mean": mean,
+             "per_seed": per_seed,
+             "alpha_per_position": [[r["records"][t].get(f"alpha_{k + 1}")
+                                     for k in range(p["gamma"])] for t in range(steps)
+                                    for r in runs[:1]]}
+        if all(x is not None for x in per_seed):
+            a["slope"] = mean_se([x["slope"] for x in per_seed])
+            a["drift_max"] = mean_se([x["drift_max"] for x in per_seed])
+        acc0 = [r["records"][0].get("heldout_accuracy") for r in runs]
+        gains = [r["heldout_accuracy_end"] - a0 for r, a0 in zip(runs, acc0) if a0 is not None]
+        a["accuracy_gain"] = mean_se(gains)
+        # latency: step 0 compiles, so it is left out when there are later steps
+        lat = slice(1, None) if steps > 1 else slice(0, None)
+        a["rollout_s"] = mean_se([np.mean(_series(r["records"][lat], "rollout_s")) for r in runs])
+        a["step_s"] = mean_se([np.mean(_series(r["records"][lat], "step_s")) for r in runs])
+        out_arms[name] = a
+    claims = _claims(out_arms, by_arm)
+    return {"mode": p["mode"], "params": {k: v for k, v in p.items()}, "adaptation": adapt,
+            "adaptation_gain_e2e_tv_vs_kl": _gains(adapt), "arms": out_arms, "claims": claims}
+
+
+def _gains(adapt):
+    cells = {(c["loss"], c["gamma"], c["cap"], c["temp"]): c for c in adapt}
+    out = []
+    for (loss, g, cap, t), c in cells.items():
+        if loss == "e2e_tv" and ("kl", g, cap, t) in cells:
+            out.append({"gamma": g, "cap": cap, "temp": t,
+                        "gain_points": 100 * (c["accept_rate"] - cells[("kl", g, cap, t)]["accept_rate"])})
+    return out
+
+
+def _claims(arms, by_arm):
+    c = {}
+    to, rs = arms.get("to_ce", {}), arms.get("rs_e2e_tv", {})
+    if "slope" in to and "slope" in rs:
+        c["slope_rs_e2e_tv_le_third_of_to"] = {
+            "slope_to": to["slope"], "slope_rs_e2e_tv": rs["slope"],
+            "holds": bool(abs(rs["slope"][0]) <= abs(to["slope"][0]) / 3)}
+    if "drift_max" in rs:
+        c["rs_e2e_tv_acceptance_within_2_points"] = {
+            "max_abs_drift_points": 100 * rs["drift_max"][0], "holds": bool(rs["drift_max"][0] <= 0.02)}
+    if "no_spec" in by_arm and "rs_e2e_tv" in by_arm:
+        g0 = {r["seed"]: r for r in by_arm["no_spec"]}
+        diffs = []
+        for r in by_arm["rs_e2e_tv"]:
+            if r["seed"] in g0:
+                base = g0[r["seed"]]
+                diffs.append((r["heldout_accuracy_end"] - r["records"][0]["heldout_accuracy"]) -
+                             (base["heldout_accuracy_end"] - base["records"][0]["heldout_accuracy"]))
+        d, se = mean_se(diffs)
+        c["accuracy_gain_equal_within_noise"] = {
+            "paired_diff_rs_e2e_tv_minus_no_spec": [d, se],
+            "holds": bool(np.isfinite(se) and abs(d) <= 2 * se) if len(diffs) > 1 else None}
+    if "no_spec" in arms:
+        base = arms["no_spec"]["rollout_s"][0]
+        c["rollout_speedup_vs_no_spec"] = {
+            n: base / a["rollout_s"][0] for n, a in arms.items() if a["rollout_s"][0] > 0}
+    return c
+
+
+def write_figures(summary: dict, out_dir: str, tag: str) -> list[str]:
+    """Writes the study's PNGs into ``out_dir``; returns their paths."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    arms, paths = summary["arms"], []
+
+    def save(fig, name):
+        path = os.path.join(out_dir, f"{name}_{tag}.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+
+    spec = [n for n in arms if arms[n]["per_seed"] and arms[n]["per_seed"][0] is not None]
+    # Fig. 3: eq. 16 decomposition (first seed)
+    fig, axes = plt.subplots(1, max(1, len(spec)), figsize=(3.2 * max(1, len(spec)), 2.8),
+                             squeeze=False)
+    for ax, n in zip(axes[0], spec):
+        d = arms[n]["per_seed"][0]["decomposition"]
+        for k, col in (("total", "gray"), ("entropy", "tab:orange"), ("mismatch", "tab:green")):
+            ax.plot(d[k], color=col, label=k)
+        ax.set_title(n, fontsize=8)
+        ax.set_xlabel("RL step")
+    axes[0][0].set_ylabel("Δα")
+    axes[0][0].legend(fontsize=7)
+    save(fig, "fig3_decomposition")
+    # Fig. 6: accept length (τ) through RL
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for n in spec:
+        ax.plot(arms[n]["mean"]["tau"], label=n)
+    ax.set_xlabel("RL step"), ax.set_ylabel("τ (tokens / verify step)"), ax.legend(fontsize=7)
+    save(fig, "fig6_accept_length")
+    # Fig. 8: entropy vs acceptance per arm
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for n in spec:
+        h, a = arms[n]["mean"]["entropy"], arms[n]["mean"]["acceptance"]
+        s = arms[n].get("slope", [float("nan")])[0]
+        ax.scatter(h, a, s=12, label=f"{n} (b={s:.2f})")
+    ax.set_xlabel("policy entropy (nats)"), ax.set_ylabel("acceptance"), ax.legend(fontsize=7)
+    save(fig, "fig8_entropy_slope")
+    # Fig. 9a: online updates
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for n in ("rs_e2e_tv", "rs_e2e_tv_online_ce", "rs_e2e_tv_online_tv", "rs_ce"):
+        if n in arms:
+            ax.plot(arms[n]["mean"]["tau"], label=n)
+    ax.set_xlabel("RL step"), ax.set_ylabel("τ"), ax.legend(fontsize=7)
+    save(fig, "fig9a_online_updates")
+    # Fig. 7: rollout and step latency
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    names = list(arms)
+    x = np.arange(len(names))
+    ax.bar(x - 0.2, [arms[n]["rollout_s"][0] for n in names], 0.4, label="rollout")
+    ax.bar(x + 0.2, [arms[n]["step_s"][0] for n in names], 0.4, label="step")
+    ax.set_xticks(x, names, rotation=30, fontsize=7), ax.set_ylabel("seconds"), ax.legend()
+    save(fig, "fig7_latency")
+    # pre-RL adaptation: accept rate per loss across the sweep cells
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    cells = summary["adaptation"]
+    keys = sorted({(c["gamma"], c["cap"], c["temp"]) for c in cells})
+    for loss in sorted({c["loss"] for c in cells}):
+        v = {(c["gamma"], c["cap"], c["temp"]): c["accept_rate"] for c in cells if c["loss"] == loss}
+        ax.plot(range(len(keys)), [v.get(k, np.nan) for k in keys], "o-", label=loss)
+    ax.set_xticks(range(len(keys)), [f"γ{g} c{c} T{t}" for g, c, t in keys], rotation=30,
+                  fontsize=7)
+    ax.set_ylabel("held-out RS accept rate"), ax.legend(fontsize=7)
+    save(fig, "adaptation")
+    return paths

@@ -1,0 +1,86 @@
+"""Statistics of the RL study: cluster-robust standard errors, the entropy-acceptance slope and
+Bebop's eq. 16 decomposition of an acceptance change. Pure functions of numpy arrays.
+
+Tokens of one sequence are correlated (one prompt, one stretch of text, shared draft chains), so a
+per-token mean's error is computed with the sequence as the cluster: the ratio estimator
+``r = Σ_g y_g / Σ_g n_g`` over clusters ``g`` (``y_g`` a sum over the cluster's tokens, ``n_g``
+its token count) has the linearised cluster-robust variance
+
+    Var(r) ≈ G / (G − 1) · Σ_g (y_g − r n_g)² / (Σ_g n_g)²,
+
+which reduces to the usual ``s / sqrt(n)`` (with the ``n / (n − 1)`` correction) when every cluster
+holds one token.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["clustered_ratio", "ols_slope", "decompose_delta_alpha", "mean_se"]
+
+
+def clustered_ratio(sums, counts) -> tuple[float, float]:
+    """``(ratio, clustered s.e.)`` of ``Σ sums / Σ counts``.
+
+    Args:
+      sums: ``[G]`` per-cluster sums of the quantity (e.g. accepted drafts of one sequence).
+      counts: ``[G]`` per-cluster denominators (e.g. drafts verified), > 0 in total.
+    Returns:
+      The ratio and its cluster-robust standard error (nan when G < 2).
+    """
+    y = np.asarray(sums, np.float64).ravel()
+    n = np.asarray(counts, np.float64).ravel()
+    if y.shape != n.shape:
+        raise ValueError(f"sums and counts differ in shape: {y.shape} vs {n.shape}")
+    if n.sum() <= 0 or np.any(n < 0):
+        raise ValueError("counts must be >= 0 with a positive total")
+    r = y.sum() / n.sum()
+    g = y.size
+    if g < 2:
+        return float(r), float("nan")
+    var = g / (g - 1) * np.sum((y - r * n) ** 2) / n.sum() ** 2
+    return float(r), float(np.sqrt(var))
+
+
+def mean_se(values) -> tuple[float, float]:
+    """``(mean, s.e. of the mean)`` across independent runs (seeds); s.e. nan for one value."""
+    v = np.asarray([x for x in values if x is not None], np.float64)
+    if v.size == 0:
+        return float("nan"), float("nan")
+    se = float(v.std(ddof=1) / np.sqrt(v.size)) if v.size > 1 else float("nan")
+    return float(v.mean()), se
+
+
+def ols_slope(x, y) -> tuple[float, float]:
+    """``(slope, s.e.)`` of the least-squares line ``y ≈ a + b x`` (s.e. nan below 3 points or
+    for constant ``x``)."""
+    x = np.asarray(x, np.float64).ravel()
+    y = np.asarray(y, np.float64).ravel()
+    if x.shape != y.shape or x.size < 2:
+        raise ValueError(f"need >= 2 paired points, got {x.shape}, {y.shape}")
+    sxx = np.sum((x - x.mean()) ** 2)
+    if sxx == 0:
+        return float("nan"), float("nan")
+    b = np.sum((x - x.mean()) * (y - y.mean())) / sxx
+    if x.size < 3:
+        return float(b), float("nan")
+    resid = y - (y.mean() + b * (x - x.mean()))
+    return float(b), float(np.sqrt(np.sum(resid ** 2) / (x.size - 2) / sxx))
+
+
+def decompose_delta_alpha(alpha, entropy, slope: float) -> dict:
+    """Bebop eq. 16: ``Δα_t = b (H_t − H_0) + [Δα_t − b (H_t − H_0)]``.
+
+    Args:
+      alpha: ``[S]`` acceptance per RL step (step 0 first).
+      entropy: ``[S]`` policy entropy per step.
+      slope: ``b``, the entropy-acceptance slope (from the run's early phase).
+    Returns:
+      ``{"total", "entropy", "mismatch"}``, each ``[S]`` lists; ``entropy + mismatch == total``.
+    """
+    a = np.asarray(alpha, np.float64).ravel()
+    h = np.asarray(entropy, np.float64).ravel()
+    if a.shape != h.shape or a.size == 0:
+        raise ValueError(f"alpha and entropy must be equal non-empty [S], got {a.shape}, {h.shape}")
+    total = a - a[0]
+    ent = slope * (h - h[0]) if np.isfinite(slope) else np.zeros_like(h)
+    return {"total": total.tolist(), "entropy": ent.tolist(), "mismatch": (total - ent).tolist()}

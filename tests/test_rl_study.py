@@ -1,0 +1,105 @@
+"""The RL study: its statistics (hand-computed), the online drafter update, and (opt-in, slow on
+CPU) the tiny end-to-end study with checks on its JSON and figures."""
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from specjax.rl.study_stats import clustered_ratio, decompose_delta_alpha, mean_se, ols_slope
+
+
+def test_clustered_ratio_by_hand():
+    # r = 6 / 6 = 1; residuals y - r n = (0, -1, 1); var = 3/2 * 2 / 36 = 1/12
+    r, se = clustered_ratio([2, 1, 3], [2, 2, 2])
+    assert r == 1.0 and se == pytest.approx(math.sqrt(1 / 12), rel=1e-12)
+    # one token per cluster: the usual s / sqrt(n)
+    v = np.array([1.0, 2.0, 4.0, 7.0])
+    r, se = clustered_ratio(v, np.ones(4))
+    assert r == pytest.approx(v.mean()) and se == pytest.approx(v.std(ddof=1) / 2.0, rel=1e-12)
+    # clustering widens the error of correlated tokens: 2 clusters of identical tokens
+    _, se_cl = clustered_ratio([0.0, 4.0], [2, 2])
+    _, se_iid = clustered_ratio([0, 0, 1, 1], [1, 1, 1, 1])
+    assert se_cl > se_iid
+    assert math.isnan(clustered_ratio([1.0], [2.0])[1])
+    with pytest.raises(ValueError):
+        clustered_ratio([1, 2], [1])
+
+
+def test_slope_and_decomposition():
+    b, se = ols_slope([0, 1, 2, 3], [1.0, 0.5, 0.0, -0.5])
+    assert b == pytest.approx(-0.5) and se == pytest.approx(0.0, abs=1e-12)
+    a, h = [0.8, 0.7, 0.75, 0.6], [1.0, 1.2, 1.1, 1.5]
+    d = decompose_delta_alpha(a, h, -0.4)
+    assert d["entropy"] == pytest.approx([0.0, -0.08, -0.04, -0.2])
+    assert np.allclose(np.add(d["entropy"], d["mismatch"]), d["total"], rtol=0, atol=1e-15)
+    assert d["total"][0] == 0.0
+    assert mean_se([1.0, 3.0]) == (2.0, 1.0)
+
+
+def test_online_drafter_update_lowers_its_loss():
+    import jax
+    from flax import nnx
+
+    from specjax.drafters import MTPConfig, MTPDrafter
+    from specjax.models import ModelConfig, init_model
+    from specjax.rl.online import OnlineDrafterUpdate
+    cfg = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8)
+    target = init_model(cfg, seed=0)
+    graphdef, state = nnx.split(target)
+    drafter, params = MTPDrafter.create(cfg, MTPConfig(), seed=1)
+    rows = np.asarray(jax.random.randint(jax.random.key(0), (4, 12), 0, 16), np.int32)
+    valid = np.ones_like(rows, bool)
+    valid[1, 9:] = False
+    for loss in ("tv", "ce"):
+        upd = OnlineDrafterUpdate(drafter, loss, learning_rate=1e-2, gamma=2, max_grad_norm=1.0)
+        p, opt = params, upd.init(params)
+        first = None
+        for _ in range(15):
+            p, opt, m = upd.step(p, opt, graphdef, state, rows, valid)
+            first = float(m["loss"]) if first is None else first
+        last = float(upd.loss_and_metrics(p, graphdef, state, rows, valid)[0])
+        assert last < first, (loss, first, last)
+        assert jax.tree.structure(p) == jax.tree.structure(params)
+    with pytest.raises(ValueError):
+        OnlineDrafterUpdate(drafter, "rkl", learning_rate=1e-3, gamma=2)
+
+
+def check_study(summary: dict, results_dir: str, mode: str) -> None:
+    """Structure and sane ranges of a study summary (also usable on a small/full run)."""
+    assert summary["adaptation"] and summary["arms"]
+    for c in summary["adaptation"]:
+        assert 0.0 <= c["accept_rate"] <= 1.0 and all(0.0 <= a <= 1.0 for a in c["alpha"])
+    for name, a in summary["arms"].items():
+        m = a["mean"]
+        assert a["steps"] >= 2
+        for t in range(a["steps"]):
+            assert m["entropy"][t] >= 0 and m["rollout_s"][t] > 0 and m["step_s"][t] > 0
+            assert 0.0 <= m["reward"][t] <= 1.0
+            if name != "no_spec":
+                assert 0.0 <= m["acceptance"][t] <= 1.0 and m["tau"][t] >= 1.0
+        for ps in a["per_seed"]:
+            if ps is None:
+                assert name == "no_spec"
+                continue
+            d = ps["decomposition"]
+            assert np.allclose(np.add(d["entropy"], d["mismatch"]), d["total"], rtol=0,
+                               atol=1e-12)
+        assert 0.0 <= m["heldout_accuracy"][0] <= 1.0
+    for fig in ("fig3_decomposition", "fig6_accept_length", "fig7_latency", "fig8_entropy_slope",
+                "fig9a_online_updates", "adaptation"):
+        assert os.path.getsize(os.path.join(results_dir, f"{fig}_{mode}.png")) > 1000
+
+
+@pytest.mark.skipif(not os.environ.get("SPECJAX_RL_STUDY"),
+                    reason="end-to-end tiny study: minutes on a shared CPU; set SPECJAX_RL_STUDY=1")
+def test_tiny_study_end_to_end(tmp_path):
+    pytest.importorskip("tunix")
+    from experiments import rl_study
+    s = rl_study.run_study("tiny", str(tmp_path / "w"), results_dir=str(tmp_path / "r"))
+    check_study(s, str(tmp_path / "r"), "tiny")
+    with open(tmp_path / "r" / "study_tiny.json") as f:
+        assert json.load(f)["arms"].keys() == s["arms"].keys()
+    assert {a["name"] for a in rl_study.ARMS} == set(s["arms"])
