@@ -86,9 +86,10 @@ def _step_costs(eng, reps: int) -> dict:
     from specjax.engine.steps import draft_step, verify_step
     s, g = eng.config.num_slots, eng.config.gamma
     k = min(eng.config.scheduler.k, g)
-    sampling = eng._sampling()
+    sampling = eng._put(eng._sampling())
     keys = eng._slot_keys(2)
-    nd = np.full(s, k, np.int32)
+    nd = eng._put(np.full(s, k, np.int32))
+    zero_lengths = eng._put(np.zeros(s, np.int32))
     bucket = next(b for b in eng.buckets if b >= s * (k + 1))
 
     def draft():
@@ -104,7 +105,8 @@ def _step_costs(eng, reps: int) -> dict:
         eng.state, res = verify_step(eng.graphdef, eng.target_state, eng.drafter, eng.params,
                                      eng.frozen, eng.state, d.tokens, d.probs, nd, keys, sampling,
                                      bucket=bucket, gamma=g, method=eng.config.method)
-        eng.state = eng.state._replace(cache=eng.state.cache.rollback(np.zeros(s, np.int32)))
+        # back to an empty cache (lengths committed like every step output: no recompilation)
+        eng.state = eng.state._replace(cache=eng.state.cache.rollback(zero_lengths))
         jax.block_until_ready(res.tokens)
 
     t_verify, _ = _median_time(verify, reps)
