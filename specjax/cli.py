@@ -48,7 +48,8 @@ def _parse_request(line: str, loaded, default_max: int):
     else:
         raise ValueError("each request needs 'prompt' or 'prompt_ids'")
     return Request(prompt=prompt, max_new_tokens=int(d.get("max_new_tokens", default_max)),
-                   stop_tokens=tuple(d.get("stop", ())), temperature=float(d.get("temperature", 1.0)),
+                   stop_tokens=tuple(d.get("stop", ())),
+                   temperature=float(d.get("temperature", 1.0)),
                    top_k=d.get("top_k"), top_p=d.get("top_p"), seed=int(d.get("seed", 0)),
                    request_id=d.get("id"))
 
@@ -106,6 +107,9 @@ def _add_model_flags(p: argparse.ArgumentParser, *, slots: int, temperature: boo
                         "documents start with it; off for HF checkpoints)")
     p.add_argument("--slots", type=int, default=slots, help="requests decoded at once")
     p.add_argument("--max-len", type=int, default=512, help="cache positions per request")
+    p.add_argument("--prefill-buckets", default="16,64,256",
+                   help="compiled prompt chunk sizes (comma-separated; longer prompts are fed in "
+                        "chunks of the largest)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--sps-cache", help="JSON file caching the SPS profile (dspark / production)")
     p.add_argument("--profile-reps", type=int, default=5)
@@ -141,7 +145,7 @@ def main(argv: Optional[list] = None, stdin: TextIO = sys.stdin,
             loaded, policy=args.policy, method=args.method, gamma=args.gamma, k=args.k,
             threshold=args.threshold, slots=args.slots, max_len=args.max_len, seed=args.seed,
             sps_cache=args.sps_cache, profile_reps=args.profile_reps,
-            filters=args.command == "serve")
+            filters=args.command == "serve", prefill_buckets=args.prefill_buckets)
         if args.command == "eval":  # read the prompts before compiling anything
             from specjax import cli_eval
             cli_eval.read_prompts(args.prompts, loaded)

@@ -11,8 +11,8 @@ Prompt file (JSON lines), one of per line:
 Both decoders generate exactly ``max_new_tokens`` per prompt (no stop tokens), so they do the same
 work. Per category (and pooled over all, ``"all"``) the report has:
 
-* ``tau``: mean tokens emitted per verification step, ``(Σ accepted + Σ steps) / Σ steps`` over the
-  requests (accepted drafts + the target's own token, per step);
+* ``tau``: mean tokens emitted per verification step, ``(Σ accepted + Σ steps) / Σ steps`` over
+  the requests (accepted drafts + the target's own token, per step);
 * ``acceptance_per_position``: ``α_k = P(draft k accepted | drafts 1..k-1 accepted and draft k
   verified)``, with the counts ``reached`` / ``accepted`` it comes from. Computed from the engine's
   per-step statistics, which attribute a step to a request only when one request is active in it;

@@ -3,7 +3,8 @@ engine configuration, with clear errors for combinations that cannot work.
 
 Targets (exactly one source):
 
-* ``hf_dir``: a local Hugging Face checkpoint (Qwen3 / Llama safetensors, :mod:`specjax.models.hf_io`);
+* ``hf_dir``: a local Hugging Face checkpoint (Qwen3 / Llama safetensors,
+  :mod:`specjax.models.hf_io`);
 * ``target_workdir``: a specjax trainer workdir (``config.json`` + ``checkpoints/``, e.g. from
   ``python -m experiments.train --config experiments/configs/pretrain_target.py``);
 * neither, with a drafter workdir: the target that drafter was trained against (its
@@ -180,11 +181,13 @@ def load(*, hf_dir: Optional[str] = None, target_workdir: Optional[str] = None,
 def engine_config(loaded: Loaded, *, policy: str, method: str = "rejection",
                   gamma: Optional[int] = None, k: Optional[int] = None, threshold: float = 0.5,
                   slots: int = 8, max_len: int = 512, seed: int = 0,
-                  sps_cache: Optional[str] = None, profile_reps: int = 5, filters: bool = True):
+                  sps_cache: Optional[str] = None, profile_reps: int = 5, filters: bool = True,
+                  prefill_buckets="16,64,256"):
     """An :class:`~specjax.engine.EngineConfig` for the loaded drafter, or :class:`LoadError`.
 
     ``gamma`` defaults to the drafter's trained γ; ``k`` (policy "fixed") defaults to γ.
     ``filters=False`` compiles without top-k / top-p support (temperature-only requests, faster).
+    ``prefill_buckets``: compiled prompt chunk sizes, a sequence or a comma-separated string.
     """
     from specjax.engine import EngineConfig
     from specjax.scheduling import SchedulerConfig
@@ -206,9 +209,12 @@ def engine_config(loaded: Loaded, *, policy: str, method: str = "rejection",
     if not 0 <= threshold <= 1:
         raise LoadError(f"--threshold must be in [0, 1], got {threshold}")
     try:
+        if isinstance(prefill_buckets, str):
+            prefill_buckets = [int(b) for b in prefill_buckets.split(",") if b.strip()]
         return EngineConfig(num_slots=slots, max_len=max_len, gamma=gamma, method=method,
                             scheduler=SchedulerConfig(policy, k=k, threshold=threshold), seed=seed,
-                            sps_cache=sps_cache, profile_reps=profile_reps, filters=filters)
+                            prefill_buckets=tuple(prefill_buckets), sps_cache=sps_cache,
+                            profile_reps=profile_reps, filters=filters)
     except ValueError as e:
         raise LoadError(str(e)) from e
 

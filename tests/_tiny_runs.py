@@ -4,7 +4,8 @@ DSpark drafter trained against it (``python -m experiments.train_drafter``). Eve
 subprocesses could write (``SPECJAX_*`` directories, matplotlib) points into that directory.
 
 Modules using :func:`tiny_runs` import it and share the xdist group ``"tiny_runs"``, so one worker
-builds the runs once.
+builds the runs, once (each importing module gets its own fixture object, so the runs are kept in
+a module-level cache).
 """
 import dataclasses
 import os
@@ -57,9 +58,17 @@ class TinyRuns:
     dspark_stdout: str
 
 
+_RUNS: list = []
+
+
 @pytest.fixture(scope="session")
 def tiny_runs(tmp_path_factory) -> TinyRuns:
-    base = tmp_path_factory.mktemp("tiny_runs")
+    if not _RUNS:
+        _RUNS.append(_make_runs(tmp_path_factory.mktemp("tiny_runs")))
+    return _RUNS[0]
+
+
+def _make_runs(base: pathlib.Path) -> TinyRuns:
     env = hermetic_env(base)
     target, dspark = base / "target", base / "dspark"
     run_module(env, "experiments.train", "--config",

@@ -28,7 +28,8 @@ def test_serve_random_tiny_ngram_jsonl_roundtrip():
              '\n{"prompt_ids": [7, 8], "max_new_tokens": 3, "seed": 4}\n'
              '{"nothing": true}\n')
     rc, out = _main(["serve", "--preset", "tiny", "--slots", 2, "--max-len", 48, "--gamma", 3,
-                     "--max-new-tokens", 5, "--method", "target_only"], stdin)
+                     "--max-new-tokens", 5, "--method", "target_only", "--prefill-buckets", 16],
+                    stdin)
     assert rc == 1  # one bad line, the others served
     lines = [json.loads(l) for l in out.splitlines()]
     assert lines[0] == {"line": 4, "finish_reason": "error",
@@ -44,6 +45,7 @@ def test_serve_random_tiny_ngram_jsonl_roundtrip():
     (["--policy", "threshold"], "has no confidence head"),
     (["--policy", "fixed", "--gamma", 3, "--k", 4], "--k must be in [1, gamma=3]"),
     (["--gamma", 0], "--gamma must be >= 1"),
+    (["--prefill-buckets", "0,16"], "token buckets must be positive ints"),
     (["--drafter", "/no/such/dir"], "not 'ngram' and not a directory"),
 ])
 def test_bad_combinations_fail_clearly(argv, message, capsys):
@@ -78,6 +80,7 @@ def test_serve_trained_dspark_drafter_with_dspark_policy(tiny_runs, tmp_path, mo
     # the drafter's workdir alone: its config.json names the target it was trained against
     rc, _ = _main(["serve", "--drafter", tiny_runs.dspark, "--policy", "dspark", "--slots", 2,
                    "--max-len", 40, "--max-new-tokens", 8, "--profile-reps", 1,
+                   "--prefill-buckets", 16,
                    "--requests", reqs, "--out", out])
     assert rc == 0, capsys.readouterr().err
     recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
@@ -109,7 +112,7 @@ def test_eval_trained_dspark_drafter_per_category(tiny_runs, tmp_path, monkeypat
     rc, out = _main(["eval", "--target-workdir", tiny_runs.target, "--drafter", tiny_runs.dspark,
                      "--policy", "threshold", "--threshold", 0.3, "--method", "rejection",
                      "--prompts", prompts, "--out", report_path, "--max-new-tokens", new,
-                     "--max-len", 48, "--temperature", 0])
+                     "--max-len", 48, "--temperature", 0, "--prefill-buckets", 16])
     assert rc == 0, capsys.readouterr().err
     report = json.loads(report_path.read_text())
     cats = report["categories"]

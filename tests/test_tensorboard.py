@@ -68,7 +68,8 @@ def test_metrics_writer_writes_the_same_scalars(tmp_path):
 def test_training_run_writes_event_file_next_to_metrics(tmp_path):
     c = base_config({"train.num_steps": 4, "checkpoint.every": 2, "output.plot": False})
     trainer = Trainer(c, workdir=str(tmp_path))
-    it = SyntheticLMIterator(batch_size=8, seq_len=32, vocab_size=trainer.task.model_config.vocab_size)
+    it = SyntheticLMIterator(batch_size=8, seq_len=32,
+                             vocab_size=trainer.task.model_config.vocab_size)
     trainer.train(it, None)
     trainer.close()
     files = [f for f in os.listdir(tmp_path) if f.startswith("events.out.tfevents.")]
