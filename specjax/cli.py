@@ -110,6 +110,9 @@ def _add_model_flags(p: argparse.ArgumentParser, *, slots: int, temperature: boo
     p.add_argument("--prefill-buckets", default="16,64,256",
                    help="compiled prompt chunk sizes (comma-separated; longer prompts are fed in "
                         "chunks of the largest)")
+    p.add_argument("--token-buckets", default=None,
+                   help="compiled verification batch sizes (comma-separated; default: powers of "
+                        "two up to slots * (gamma + 1), which the largest must hold)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--sps-cache", help="JSON file caching the SPS profile (dspark / production)")
     p.add_argument("--profile-reps", type=int, default=5)
@@ -145,7 +148,8 @@ def main(argv: Optional[list] = None, stdin: TextIO = sys.stdin,
             loaded, policy=args.policy, method=args.method, gamma=args.gamma, k=args.k,
             threshold=args.threshold, slots=args.slots, max_len=args.max_len, seed=args.seed,
             sps_cache=args.sps_cache, profile_reps=args.profile_reps,
-            filters=args.command == "serve", prefill_buckets=args.prefill_buckets)
+            filters=args.command == "serve", prefill_buckets=args.prefill_buckets,
+            token_buckets=args.token_buckets)
         if args.command == "eval":  # read the prompts before compiling anything
             from specjax import cli_eval
             cli_eval.read_prompts(args.prompts, loaded)

@@ -182,12 +182,13 @@ def engine_config(loaded: Loaded, *, policy: str, method: str = "rejection",
                   gamma: Optional[int] = None, k: Optional[int] = None, threshold: float = 0.5,
                   slots: int = 8, max_len: int = 512, seed: int = 0,
                   sps_cache: Optional[str] = None, profile_reps: int = 5, filters: bool = True,
-                  prefill_buckets="16,64,256"):
+                  prefill_buckets="16,64,256", token_buckets=None):
     """An :class:`~specjax.engine.EngineConfig` for the loaded drafter, or :class:`LoadError`.
 
     ``gamma`` defaults to the drafter's trained γ; ``k`` (policy "fixed") defaults to γ.
     ``filters=False`` compiles without top-k / top-p support (temperature-only requests, faster).
-    ``prefill_buckets``: compiled prompt chunk sizes, a sequence or a comma-separated string.
+    ``prefill_buckets`` / ``token_buckets``: compiled prompt chunk sizes / verification batch
+    sizes, sequences or comma-separated strings (``token_buckets=None``: the engine's default).
     """
     from specjax.engine import EngineConfig
     from specjax.scheduling import SchedulerConfig
@@ -209,14 +210,20 @@ def engine_config(loaded: Loaded, *, policy: str, method: str = "rejection",
     if not 0 <= threshold <= 1:
         raise LoadError(f"--threshold must be in [0, 1], got {threshold}")
     try:
-        if isinstance(prefill_buckets, str):
-            prefill_buckets = [int(b) for b in prefill_buckets.split(",") if b.strip()]
+        prefill_buckets = _ints(prefill_buckets)
+        token_buckets = None if token_buckets is None else _ints(token_buckets)
         return EngineConfig(num_slots=slots, max_len=max_len, gamma=gamma, method=method,
                             scheduler=SchedulerConfig(policy, k=k, threshold=threshold), seed=seed,
-                            prefill_buckets=tuple(prefill_buckets), sps_cache=sps_cache,
-                            profile_reps=profile_reps, filters=filters)
+                            prefill_buckets=prefill_buckets, token_buckets=token_buckets,
+                            sps_cache=sps_cache, profile_reps=profile_reps, filters=filters)
     except ValueError as e:
         raise LoadError(str(e)) from e
+
+
+def _ints(values) -> tuple:
+    if isinstance(values, str):
+        values = values.split(",")
+    return tuple(int(v) for v in values if str(v).strip())
 
 
 def make_engine(loaded: Loaded, config):

@@ -28,7 +28,8 @@ def test_serve_random_tiny_ngram_jsonl_roundtrip():
              '\n{"prompt_ids": [7, 8], "max_new_tokens": 3, "seed": 4}\n'
              '{"nothing": true}\n')
     rc, out = _main(["serve", "--preset", "tiny", "--slots", 2, "--max-len", 48, "--gamma", 3,
-                     "--max-new-tokens", 5, "--method", "target_only", "--prefill-buckets", 16],
+                     "--max-new-tokens", 5, "--method", "target_only", "--prefill-buckets", 16,
+                     "--token-buckets", 8],
                     stdin)
     assert rc == 1  # one bad line, the others served
     lines = [json.loads(l) for l in out.splitlines()]
@@ -46,6 +47,7 @@ def test_serve_random_tiny_ngram_jsonl_roundtrip():
     (["--policy", "fixed", "--gamma", 3, "--k", 4], "--k must be in [1, gamma=3]"),
     (["--gamma", 0], "--gamma must be >= 1"),
     (["--prefill-buckets", "0,16"], "token buckets must be positive ints"),
+    (["--slots", 2, "--gamma", 3, "--token-buckets", "4"], "must hold num_slots * (gamma + 1)"),
     (["--drafter", "/no/such/dir"], "not 'ngram' and not a directory"),
 ])
 def test_bad_combinations_fail_clearly(argv, message, capsys):
@@ -80,7 +82,7 @@ def test_serve_trained_dspark_drafter_with_dspark_policy(tiny_runs, tmp_path, mo
     # the drafter's workdir alone: its config.json names the target it was trained against
     rc, _ = _main(["serve", "--drafter", tiny_runs.dspark, "--policy", "dspark", "--slots", 2,
                    "--max-len", 40, "--max-new-tokens", 8, "--profile-reps", 1,
-                   "--prefill-buckets", 16,
+                   "--prefill-buckets", 16, "--token-buckets", "4,8",
                    "--requests", reqs, "--out", out])
     assert rc == 0, capsys.readouterr().err
     recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
@@ -110,9 +112,10 @@ def test_eval_trained_dspark_drafter_per_category(tiny_runs, tmp_path, monkeypat
     report_path = tmp_path / "eval.json"
     new = 10
     rc, out = _main(["eval", "--target-workdir", tiny_runs.target, "--drafter", tiny_runs.dspark,
-                     "--policy", "threshold", "--threshold", 0.3, "--method", "rejection",
+                     "--policy", "fixed", "--method", "rejection",
                      "--prompts", prompts, "--out", report_path, "--max-new-tokens", new,
-                     "--max-len", 48, "--temperature", 0, "--prefill-buckets", 16])
+                     "--max-len", 48, "--temperature", 0, "--prefill-buckets", 16,
+                     "--token-buckets", 4])
     assert rc == 0, capsys.readouterr().err
     report = json.loads(report_path.read_text())
     cats = report["categories"]
@@ -133,6 +136,10 @@ def test_eval_trained_dspark_drafter_per_category(tiny_runs, tmp_path, monkeypat
         assert m["spec_tok_s"] > 0 and m["plain_tok_s"] > 0
         assert m["speedup"] == pytest.approx(m["spec_tok_s"] / m["plain_tok_s"])
     assert cats["all"]["verify_steps"] == sum(cats[c]["verify_steps"] for c in n if c != "all")
+    # fixed K = γ = 3: draft 2 is verified whenever draft 1 was accepted (unless the step was
+    # capped by the tokens left), so later positions are measured too
+    reached, accepted = cats["all"]["reached_per_position"], cats["all"]["accepted_per_position"]
+    assert 0 < reached[1] <= accepted[0] and reached[2] <= accepted[1]
     lines = out.splitlines()
     head = next(i for i, l in enumerate(lines) if l.startswith("category"))
     assert lines[head].split() == ["category", "n", "tau", "a1", "a2", "a3", "spec", "tok/s",
