@@ -13,11 +13,14 @@ work. Per category (and pooled over all, ``"all"``) the report has:
 
 * ``tau``: mean tokens emitted per verification step, ``(Σ accepted + Σ steps) / Σ steps`` over
   the requests (accepted drafts + the target's own token, per step);
-* ``acceptance_per_position``: ``α_k = P(draft k accepted | drafts 1..k-1 accepted and draft k
-  verified)``, with the counts ``reached`` / ``accepted`` it comes from. Computed from the engine's
-  per-step statistics, which attribute a step to a request only when one request is active in it;
-  with ``--slots > 1`` it is ``null`` (see :func:`position_counts`, the place to plug in
-  per-request counts);
+* ``acceptance_per_position``: ``accepted_k / verified_k``, the fraction of verified k-th drafts
+  that were accepted, from the engine's per-position counts ``verified_per_position`` /
+  ``accepted_per_position`` (the definition of ``benchmarks/spec_vs_plain.py``). For k ≥ 2 a
+  verified draft k also fails when an earlier draft of its step was rejected, so this is the
+  survival of drafts 1..k, not the conditional ``α_k`` of :mod:`specjax.evaluation`;
+* ``conditional_acceptance_per_position``: ``α_k = P(draft k accepted | draft k verified and
+  drafts 1..k-1 accepted)`` = ``accepted_k / reached_k``. It needs ``reached_k`` counts, which the
+  device loop's statistics do not carry; it is ``null`` then (see :func:`position_counts`);
 * ``spec_tok_s`` / ``plain_tok_s``: generated tokens per second of wall time (prefill included,
   compilation excluded: both decoders are warmed up first), and ``speedup`` = their ratio;
 * ``greedy_agreement`` (temperature 0 only): fraction of prompts whose speculative output equals the
@@ -77,8 +80,8 @@ def plain_decode(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *
     """The plain-decoding baseline: ``(new tokens per prompt, wall seconds)``.
 
     Decodes ``prompts`` in consecutive batches of ``batch`` with
-    :func:`specjax.models.generate.generate_timed` (the fastest plain decoder here) at a fixed cache
-    length ``max_len``. Call it once before timing to compile its shapes.
+    :func:`specjax.models.generate.generate_timed` (its device loop: the fastest plain decoder
+    here) at a fixed cache length ``max_len``. Call it once before timing to compile its shapes.
     """
     from specjax.models.generate import generate_timed
     tokens, t0 = [], time.perf_counter()
@@ -89,27 +92,44 @@ def plain_decode(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *
     return tokens, time.perf_counter() - t0
 
 
-def position_counts(stats: Sequence, gamma: int) -> Optional[tuple[np.ndarray, np.ndarray]]:
-    """``(reached [γ], accepted [γ])`` int counts over verification steps, or ``None``.
+def position_counts(loop_stats: Sequence, step_stats: Sequence, gamma: int) -> dict:
+    """Per-position counts over the verification steps of one run, int ``[γ]`` each (or None).
 
-    ``reached[k-1]``: steps in which draft k was verified and drafts 1..k-1 were accepted;
-    ``accepted[k-1]``: steps in which draft k was accepted. Derived from the engine's per-step
-    :class:`~specjax.engine.StepStats` (``drafts_verified`` = ℓ, ``accepted`` = a), which is
-    per-request only in steps with one active request; ``None`` when any step had more (the
-    engine's results carry no per-position counts to use instead).
+    ``verified[k-1]``: request-steps that verified draft k; ``accepted[k-1]``: that accepted it;
+    ``reached[k-1]``: that verified draft k with drafts 1..k-1 accepted.
+
+    Sources: the device loop's :class:`~specjax.engine.LoopStats` (``drafted`` / ``accepted``
+    per position, summed over slots; a ``reached`` field is used when the engine provides one),
+    or the host loop's :class:`~specjax.engine.StepStats` (ℓ = ``drafts_verified`` and
+    a = ``accepted``, which are one request's only in steps with one active request: with more,
+    the counts are None).
     """
-    steps = [s for s in stats if s.active]
-    if any(s.active > 1 for s in steps):
-        return None
-    ell = np.array([s.drafts_verified for s in steps], np.int64)
-    acc = np.array([s.accepted for s in steps], np.int64)
+    out = {"verified": None, "accepted": None, "reached": None}
+    if loop_stats:
+        out["verified"] = np.sum([s.drafted for s in loop_stats], axis=0).astype(np.int64)
+        out["accepted"] = np.sum([s.accepted for s in loop_stats], axis=0).astype(np.int64)
+        if all(getattr(s, "reached", None) is not None for s in loop_stats):
+            out["reached"] = np.sum([s.reached for s in loop_stats], axis=0).astype(np.int64)
+        return out
+    steps = [s for s in step_stats if s.active]
+    if not steps or any(s.active > 1 for s in steps):
+        return out
+    ell = np.array([s.drafts_verified for s in steps], np.int64)[:, None]
+    acc = np.array([s.accepted for s in steps], np.int64)[:, None]
     k = np.arange(1, gamma + 1)[None, :]
-    reached = ((ell[:, None] >= k) & (acc[:, None] >= k - 1)).sum(0)
-    accepted = (acc[:, None] >= k).sum(0)
-    return reached, accepted
+    out["verified"] = (ell >= k).sum(0)
+    out["accepted"] = (acc >= k).sum(0)
+    out["reached"] = ((ell >= k) & (acc >= k - 1)).sum(0)
+    return out
 
 
-def summarize(results, stats, gamma: int, spec_s: float, plain_tokens, plain_s: float,
+def _ratio(num, den) -> Optional[list]:
+    if num is None or den is None:
+        return None
+    return [float(a / r) if r else None for a, r in zip(num, den)]
+
+
+def summarize(results, counts: dict, spec_s: float, plain_tokens, plain_s: float,
               temperature: float) -> dict:
     """One category's report entry (see the module docstring for the fields)."""
     steps = sum(r.steps for r in results)
@@ -129,15 +149,11 @@ def summarize(results, stats, gamma: int, spec_s: float, plain_tokens, plain_s: 
     }
     out["speedup"] = (out["spec_tok_s"] / out["plain_tok_s"]
                       if out["spec_tok_s"] and out["plain_tok_s"] else None)
-    counts = position_counts(stats, gamma)
-    if counts is None:
-        out["acceptance_per_position"] = None
-    else:
-        reached, accepted = counts
-        out["acceptance_per_position"] = [float(a / r) if r else None
-                                          for a, r in zip(accepted, reached)]
-        out["reached_per_position"] = reached.tolist()
-        out["accepted_per_position"] = accepted.tolist()
+    out["acceptance_per_position"] = _ratio(counts["accepted"], counts["verified"])
+    out["conditional_acceptance_per_position"] = _ratio(counts["accepted"], counts["reached"])
+    for name in ("verified", "accepted", "reached"):
+        c = counts[name]
+        out[f"{name}_per_position"] = None if c is None else c.tolist()
     if temperature == 0:
         same = sum(list(r.tokens) == list(t) for r, t in zip(results, plain_tokens))
         out["greedy_agreement"] = same / len(results)
@@ -151,8 +167,8 @@ def _fmt(x, spec=".2f") -> str:
 def table(report: dict) -> str:
     """The per-category report as a fixed-width text table."""
     gamma = report["config"]["gamma"]
-    head = (f"{'category':<16}{'n':>4}{'tau':>7}  " + " ".join(f"{'a' + str(k):>5}" for k in
-                                                             range(1, gamma + 1))
+    head = (f"{'category':<16}{'n':>4}{'tau':>7}  "
+            + " ".join(f"{'acc' + str(k):>5}" for k in range(1, gamma + 1))
             + f"{'spec tok/s':>12}{'plain tok/s':>13}{'speedup':>9}")
     lines = [head, "-" * len(head)]
     for cat, m in report["categories"].items():
@@ -161,6 +177,8 @@ def table(report: dict) -> str:
                      + " ".join(f"{_fmt(a):>5}" for a in alpha)
                      + f"{_fmt(m['spec_tok_s'], '.1f'):>12}{_fmt(m['plain_tok_s'], '.1f'):>13}"
                      + f"{_fmt(m['speedup']):>8}x")
+    lines.append("tau: tokens per verification step; acc_k: accepted / verified drafts at "
+                 "position k; speedup: spec tok/s / plain tok/s")
     return "\n".join(lines)
 
 
@@ -179,32 +197,32 @@ def evaluate(loaded, engine, prompts: list[tuple[str, list[int]]], *, max_new_to
     for i, (c, _) in enumerate(prompts):
         cats.setdefault(c, []).append(i)
     ids = [p for _, p in prompts]
-    # compile every shape the timed runs use (the same batches; generate_timed compiles its
-    # decode step twice, at the first and the second step, so 3 new tokens)
+    # compile every shape the timed runs use: the same calls (the decode loop's output buffer
+    # has max_new_tokens columns, so a shorter warm-up would compile other shapes)
     for idx in cats.values():
-        plain_decode(model, [ids[i] for i in idx], min(3, max_new_tokens),
-                     temperature=temperature, seed=seed, max_len=cfg.max_len,
-                     batch=cfg.num_slots)
-    report, pooled = {}, ([], [], 0.0, [], 0.0)
+        plain_decode(model, [ids[i] for i in idx], max_new_tokens, temperature=temperature,
+                     seed=seed, max_len=cfg.max_len, batch=cfg.num_slots)
+    report, pooled = {}, ([], [], [], 0.0, [], 0.0)
     for c, idx in cats.items():
         reqs = [Request(prompt=ids[i], max_new_tokens=max_new_tokens, temperature=temperature,
                         seed=seed + i) for i in idx]
-        first = len(engine.stats)
+        first_loop, first_step = len(engine.loop_stats), len(engine.stats)
         t0 = time.perf_counter()
         results = engine.generate(reqs)
         spec_s = time.perf_counter() - t0
-        stats = engine.stats[first:]
+        loops, steps = engine.loop_stats[first_loop:], engine.stats[first_step:]
         plain, plain_s = plain_decode(model, [ids[i] for i in idx], max_new_tokens,
                                       temperature=temperature, seed=seed, max_len=cfg.max_len,
                                       batch=cfg.num_slots)
-        report[c] = summarize(results, stats, cfg.gamma, spec_s, plain, plain_s, temperature)
-        pooled = (pooled[0] + results, pooled[1] + list(stats), pooled[2] + spec_s,
-                  pooled[3] + plain, pooled[4] + plain_s)
+        report[c] = summarize(results, position_counts(loops, steps, cfg.gamma), spec_s, plain,
+                              plain_s, temperature)
+        pooled = (pooled[0] + results, pooled[1] + loops, pooled[2] + steps,
+                  pooled[3] + spec_s, pooled[4] + plain, pooled[5] + plain_s)
         log(f"  {c}: {len(idx)} prompts, tau {_fmt(report[c]['tau'])}, "
             f"speedup {_fmt(report[c]['speedup'])}x")
     if len(cats) > 1:
-        report["all"] = summarize(pooled[0], pooled[1], cfg.gamma, pooled[2], pooled[3],
-                                  pooled[4], temperature)
+        report["all"] = summarize(pooled[0], position_counts(pooled[1], pooled[2], cfg.gamma),
+                                  *pooled[3:], temperature)
     return report
 
 

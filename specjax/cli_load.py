@@ -182,13 +182,15 @@ def engine_config(loaded: Loaded, *, policy: str, method: str = "rejection",
                   gamma: Optional[int] = None, k: Optional[int] = None, threshold: float = 0.5,
                   slots: int = 8, max_len: int = 512, seed: int = 0,
                   sps_cache: Optional[str] = None, profile_reps: int = 5, filters: bool = True,
-                  prefill_buckets="16,64,256", token_buckets=None):
+                  prefill_buckets="16,64,256", token_buckets=None, loop: str = "device",
+                  loop_steps: int = 16):
     """An :class:`~specjax.engine.EngineConfig` for the loaded drafter, or :class:`LoadError`.
 
     ``gamma`` defaults to the drafter's trained γ; ``k`` (policy "fixed") defaults to γ.
     ``filters=False`` compiles without top-k / top-p support (temperature-only requests, faster).
     ``prefill_buckets`` / ``token_buckets``: compiled prompt chunk sizes / verification batch
     sizes, sequences or comma-separated strings (``token_buckets=None``: the engine's default).
+    ``loop`` / ``loop_steps``: the engine's device loop (default) or host loop.
     """
     from specjax.engine import EngineConfig
     from specjax.scheduling import SchedulerConfig
@@ -215,7 +217,8 @@ def engine_config(loaded: Loaded, *, policy: str, method: str = "rejection",
         return EngineConfig(num_slots=slots, max_len=max_len, gamma=gamma, method=method,
                             scheduler=SchedulerConfig(policy, k=k, threshold=threshold), seed=seed,
                             prefill_buckets=prefill_buckets, token_buckets=token_buckets,
-                            sps_cache=sps_cache, profile_reps=profile_reps, filters=filters)
+                            sps_cache=sps_cache, profile_reps=profile_reps, filters=filters,
+                            loop=loop, loop_steps=loop_steps)
     except ValueError as e:
         raise LoadError(str(e)) from e
 

@@ -29,7 +29,7 @@ def test_serve_random_tiny_ngram_jsonl_roundtrip():
              '{"nothing": true}\n')
     rc, out = _main(["serve", "--preset", "tiny", "--slots", 2, "--max-len", 48, "--gamma", 3,
                      "--max-new-tokens", 5, "--method", "target_only", "--prefill-buckets", 16,
-                     "--token-buckets", 8],
+                     "--token-buckets", 8, "--loop", "host"],
                     stdin)
     assert rc == 1  # one bad line, the others served
     lines = [json.loads(l) for l in out.splitlines()]
@@ -127,24 +127,54 @@ def test_eval_trained_dspark_drafter_per_category(tiny_runs, tmp_path, monkeypat
         # greedy speculative decoding reproduces plain greedy decoding on the same weights
         assert m["greedy_agreement"] == 1.0
         assert m["tau"] == pytest.approx(1 + m["accepted_drafts"] / m["verify_steps"])
-        # per-position counts (from the engine's step statistics) against the results' totals
-        assert sum(m["accepted_per_position"]) == m["accepted_drafts"]
-        assert m["reached_per_position"][0] <= m["verify_steps"]
-        for k, (a, r) in enumerate(zip(m["accepted_per_position"], m["reached_per_position"])):
-            assert 0 <= a <= r
-            assert m["acceptance_per_position"][k] == (a / r if r else None)
+        # per-position counts (the engine's loop statistics) against the results' totals
+        verified, accepted = m["verified_per_position"], m["accepted_per_position"]
+        assert sum(accepted) == m["accepted_drafts"]
+        assert verified[0] <= m["verify_steps"]
+        for k, (a, v) in enumerate(zip(accepted, verified)):
+            assert 0 <= a <= v
+            assert m["acceptance_per_position"][k] == (a / v if v else None)
+            assert k == 0 or a <= accepted[k - 1]  # draft k accepted => draft k - 1 accepted
+        if m["reached_per_position"] is None:
+            assert m["conditional_acceptance_per_position"] is None
         assert m["spec_tok_s"] > 0 and m["plain_tok_s"] > 0
         assert m["speedup"] == pytest.approx(m["spec_tok_s"] / m["plain_tok_s"])
     assert cats["all"]["verify_steps"] == sum(cats[c]["verify_steps"] for c in n if c != "all")
-    # fixed K = γ = 3: draft 2 is verified whenever draft 1 was accepted (unless the step was
-    # capped by the tokens left), so later positions are measured too
-    reached, accepted = cats["all"]["reached_per_position"], cats["all"]["accepted_per_position"]
-    assert 0 < reached[1] <= accepted[0] and reached[2] <= accepted[1]
+    # fixed K = γ = 3: a step verifies all three drafts unless capped by the tokens left (only
+    # near a request's end; each starts with 10 tokens to go), so every position is measured
+    verified = cats["all"]["verified_per_position"]
+    assert verified[0] >= verified[1] >= verified[2] >= len(n) - 1 > 0
     lines = out.splitlines()
     head = next(i for i, l in enumerate(lines) if l.startswith("category"))
-    assert lines[head].split() == ["category", "n", "tau", "a1", "a2", "a3", "spec", "tok/s",
-                                   "plain", "tok/s", "speedup"]
-    assert [l.split()[0] for l in lines[head + 2:]] == list(cats)
+    assert lines[head].split() == ["category", "n", "tau", "acc1", "acc2", "acc3", "spec",
+                                   "tok/s", "plain", "tok/s", "speedup"]
+    assert [l.split()[0] for l in lines[head + 2:head + 6]] == list(cats)
+
+
+def test_position_counts_from_host_and_device_loop_stats():
+    from specjax.cli_eval import position_counts
+    from specjax.engine import LoopStats, StepStats
+
+    def step(active, ell, a):
+        return StepStats(active=active, bucket=8, tokens=ell + 1, drafts_verified=ell, accepted=a,
+                         schedule_s=0.0, step_s=0.0)
+
+    # one request per step: (ℓ, a) = (3, 1), (2, 2), (3, 0), (1, 1) and an idle step
+    steps = [step(1, 3, 1), step(1, 2, 2), step(0, 0, 0), step(1, 3, 0), step(1, 1, 1)]
+    c = position_counts([], steps, 3)
+    assert c["verified"].tolist() == [4, 3, 2]
+    assert c["accepted"].tolist() == [3, 1, 0]
+    # draft 2 reached in (3, 1) and (2, 2); draft 3 reached in none ((2, 2) verified only two)
+    assert c["reached"].tolist() == [4, 2, 0]
+    # a step with two active requests cannot be split between them
+    assert position_counts([], steps + [step(2, 4, 1)], 3)["verified"] is None
+    loops = [LoopStats(steps=2, draft_steps=2, tokens=5, active=2, drafted=[2, 2, 1],
+                       accepted=[2, 1, 0], wall_s=0.0),
+             LoopStats(steps=1, draft_steps=1, tokens=2, active=1, drafted=[1, 1, 1],
+                       accepted=[1, 0, 0], wall_s=0.0)]
+    c = position_counts(loops, [], 3)
+    assert c["verified"].tolist() == [3, 3, 2] and c["accepted"].tolist() == [3, 1, 0]
+    assert c["reached"] is None  # the device loop's statistics carry no reached counts
 
 
 def test_eval_bad_prompt_file_names_the_line(tmp_path, capsys):
