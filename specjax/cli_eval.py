@@ -39,6 +39,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from specjax.cli_load import LoadError, encode_prompt
+from specjax.paths import portable_path
 
 
 def read_prompts(path: str, loaded) -> list[tuple[str, list[int]]]:
@@ -234,7 +235,8 @@ def run(args, loaded, engine, out_stream) -> dict:
                    "gamma": engine.config.gamma, "slots": engine.config.num_slots,
                    "max_len": engine.config.max_len, "max_new_tokens": args.max_new_tokens,
                    "temperature": args.temperature, "seed": args.seed,
-                   "prompts_file": args.prompts, "plain_decoder": "generate_timed",
+                   "prompts_file": portable_path(args.prompts),
+                   "plain_decoder": "generate_timed (device loop)",
                    "turns_used": "first"},
         "categories": evaluate(loaded, engine, prompts, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, seed=args.seed,

@@ -2,7 +2,7 @@
 cache and output under a temporary directory: ``experiments.train`` and
 ``experiments.train_drafter`` (the session's tiny runs, ``_tiny_runs.py``),
 ``experiments.reproduce --parts dspark``, ``experiments.offline_eval``, ``specjax.training.bench``
-and each benchmark with ``--quick``. Checks are on what the runs wrote, not only their exit
+and each benchmark with ``--quick`` (``benchmarks.spec_vs_plain`` on the tiny runs). Checks are on what the runs wrote, not only their exit
 codes."""
 import json
 import os
@@ -92,6 +92,20 @@ def test_offline_eval_cli(tiny_runs, repro, tmp_path):
     for f in ("results.md", "acceptance_per_position.png", "calibration_dspark.json",
               "calibration.md"):
         assert (out / f).exists(), f
+
+
+@TINY_RUNS
+def test_spec_vs_plain_quick(tiny_runs, tmp_path):
+    out = tmp_path / "spec_vs_plain.json"
+    run_module(tiny_runs.env, "benchmarks.spec_vs_plain", "--quick", "--target", tiny_runs.target,
+               "--drafter", f"dspark={tiny_runs.dspark}", "--out", out)
+    r = json.load(open(out))
+    (cell,) = r["cells"]
+    assert (cell["domain"], cell["batch"], cell["temperature"]) == ("math", 1, 0.0)
+    spec = cell["decoders"]["spec:dspark:fixed"]
+    assert spec["tokens"] == 16 and 1.0 <= spec["tau"] <= 4.0  # γ = 3
+    assert set(cell["decoders"]) == {"generate_host", "generate", "engine_none",
+                                     "spec:dspark:fixed"}
 
 
 @BENCH
