@@ -13,7 +13,7 @@ Targets (exactly one source):
 
 Drafters: ``"ngram"`` (prompt lookup, no weights), or a drafter run's workdir written by
 ``python -m experiments.train_drafter`` (MTP, DSpark, DFlash, draft LM;
-:func:`specjax.training.drafter_task.load_drafter` reads its ``config.json`` and newest checkpoint).
+:func:`specjax.training.drafter_run.load_drafter` reads its ``config.json`` and newest checkpoint).
 """
 from __future__ import annotations
 
@@ -65,7 +65,6 @@ class Loaded:
 
 
 def _read_config(workdir: str, what: str):
-    import specjax.training.drafter_task  # noqa: F401  (registers the "drafter" task)
     from specjax.training.config import validate_config
     path = os.path.join(workdir, "config.json")
     if not os.path.isfile(path):
@@ -147,7 +146,7 @@ def load(*, hf_dir: Optional[str] = None, target_workdir: Optional[str] = None,
         if dconfig.task.name != "drafter":
             raise LoadError(f"--drafter {drafter!r} is a {dconfig.task.name!r} run, not a drafter "
                             f"run (experiments.train_drafter)")
-        from specjax.training.drafter_task import load_drafter
+        from specjax.training.drafter_run import load_drafter
         d, params, task = load_drafter(drafter)
         name = f"{dconfig.task.drafter}:{os.path.basename(os.path.normpath(drafter))}"
         if target is None:

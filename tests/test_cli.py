@@ -1,6 +1,7 @@
-"""``specjax serve`` / ``specjax eval`` through ``main()`` and their flags: a random tiny model with
-the n-gram drafter, and a tiny DSpark drafter trained by ``experiments.train_drafter`` on a tiny
-target (both made under a temporary directory, see ``_tiny_runs.py``)."""
+"""``specjax serve`` / ``specjax eval`` through ``main()`` and their flags: a random tiny model
+exported as an HF checkpoint with the n-gram drafter, and a tiny DSpark drafter trained by
+``experiments.train_drafter`` on a tiny target (both made under a temporary directory, see
+``_tiny_runs.py``)."""
 import io
 import json
 
@@ -23,20 +24,23 @@ def _main(argv, stdin=""):
     return rc, out.getvalue()
 
 
-def test_serve_random_tiny_ngram_jsonl_roundtrip():
+def test_serve_hf_checkpoint_ngram_jsonl_roundtrip(tmp_path):
+    from specjax.models.hf_io import save_hf_checkpoint
+    model = init_model(get_preset("tiny"), seed=0)
+    save_hf_checkpoint(model, None, tmp_path / "hf")
     stdin = ('{"prompt_ids": [1, 2, 3], "temperature": 0, "id": "a"}\n'
              '\n{"prompt_ids": [7, 8], "max_new_tokens": 3, "seed": 4}\n'
              '{"nothing": true}\n')
-    rc, out = _main(["serve", "--preset", "tiny", "--slots", 2, "--max-len", 48, "--gamma", 3,
-                     "--max-new-tokens", 5, "--method", "target_only", "--prefill-buckets", 16,
-                     "--token-buckets", 8, "--loop", "host"],
-                    stdin)
+    rc, out = _main(["serve", "--hf-dir", tmp_path / "hf", "--drafter", "ngram", "--slots", 2,
+                     "--max-len", 48, "--gamma", 3, "--max-new-tokens", 5, "--method",
+                     "target_only", "--prefill-buckets", 16, "--token-buckets", 8, "--loop",
+                     "host"], stdin)
     assert rc == 1  # one bad line, the others served
     lines = [json.loads(l) for l in out.splitlines()]
     assert lines[0] == {"line": 4, "finish_reason": "error",
                         "error": "each request needs 'prompt' or 'prompt_ids'"}
     a, b = lines[1], lines[2]
-    ref = generate(init_model(get_preset("tiny"), seed=0), [[1, 2, 3]], 5, temperature=0.0)[0]
+    ref = generate(model, [[1, 2, 3]], 5, temperature=0.0)[0]
     assert a["id"] == "a" and a["tokens"] == ref and a["finish_reason"] == "length"
     assert len(b["tokens"]) == 3 and b["tau"] == (b["accepted"] + b["steps"]) / b["steps"]
 

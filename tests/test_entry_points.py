@@ -2,8 +2,8 @@
 cache and output under a temporary directory: ``experiments.train`` and
 ``experiments.train_drafter`` (the session's tiny runs, ``_tiny_runs.py``),
 ``experiments.reproduce --parts dspark``, ``experiments.offline_eval``, ``specjax.training.bench``
-and each benchmark with ``--quick`` (``benchmarks.spec_vs_plain`` on the tiny runs). Checks are on what the runs wrote, not only their exit
-codes."""
+and each benchmark with ``--quick`` (``benchmarks.spec_vs_plain`` on the tiny runs). Checks are on
+what the runs wrote, not only their exit codes."""
 import json
 import os
 
