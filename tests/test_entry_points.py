@@ -98,7 +98,8 @@ def test_offline_eval_cli(tiny_runs, repro, tmp_path):
 def test_spec_vs_plain_quick(tiny_runs, tmp_path):
     out = tmp_path / "spec_vs_plain.json"
     run_module(tiny_runs.env, "benchmarks.spec_vs_plain", "--quick", "--target", tiny_runs.target,
-               "--drafter", f"dspark={tiny_runs.dspark}", "--out", out)
+               "--drafter", f"dspark={tiny_runs.dspark}", "--out", out, "--md",
+               tmp_path / "table.md", "--png", tmp_path / "speedup.png")
     r = json.load(open(out))
     (cell,) = r["cells"]
     assert (cell["domain"], cell["batch"], cell["temperature"]) == ("math", 1, 0.0)
@@ -106,6 +107,7 @@ def test_spec_vs_plain_quick(tiny_runs, tmp_path):
     assert spec["tokens"] == 16 and 1.0 <= spec["tau"] <= 4.0  # γ = 3
     assert set(cell["decoders"]) == {"generate_host", "generate", "engine_none",
                                      "spec:dspark:fixed"}
+    assert (tmp_path / "table.md").stat().st_size > 0 and (tmp_path / "speedup.png").exists()
 
 
 @BENCH
