@@ -21,7 +21,9 @@ loss takes logits ``[tokens, V]`` (1 U); e2e-TV takes MTP-layout logits ``[token
 Run:
     .venv/bin/python -m benchmarks.loss_memory                      # tokens 256 512 1024, γ=3
     .venv/bin/python -m benchmarks.loss_memory --tokens 256 --vocab 32000
-Writes ``benchmarks/results/loss_memory.json`` and prints a markdown table.
+    .venv/bin/python -m benchmarks.loss_memory --quick     # smallest shapes: a smoke run
+Writes ``benchmarks/results/loss_memory.json`` (``--quick``: a file in the temp directory) and
+prints a markdown table.
 Numbers are backend-specific (XLA's fusion and buffer assignment differ between CPU, GPU, TPU).
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import tempfile
 import time
 
 import jax
@@ -101,9 +104,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 512, 1024])
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--gamma", type=int, default=3)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                  "loss_memory.json"))
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 8 tokens, V = 512, γ = 2, output in the temp directory")
+    ap.add_argument("--out", default=None, help="default benchmarks/results/loss_memory.json")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.tokens, args.vocab, args.gamma = [8], 512, 2
+    if args.out is None:
+        args.out = (os.path.join(tempfile.gettempdir(), "specjax_quick", "loss_memory.json")
+                    if args.quick else
+                    os.path.join(os.path.dirname(__file__), "results", "loss_memory.json"))
 
     rows = []
     for (loss_name, variant), (fn, shape_fn) in _losses(args.gamma).items():

@@ -14,7 +14,9 @@ after warm-up; ratios are taken within one run.
 Run:
     .venv/bin/python -m benchmarks.model_step_cost                   # tiny + base50m presets
     .venv/bin/python -m benchmarks.model_step_cost --presets tiny --reps 20
-Writes ``benchmarks/results/model_step_cost.json`` and prints a markdown table.
+    .venv/bin/python -m benchmarks.model_step_cost --quick   # smallest shapes: a smoke run
+Writes ``benchmarks/results/model_step_cost.json`` (``--quick``: a file in the temp directory)
+and prints a markdown table.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 
 import jax
@@ -81,8 +84,17 @@ def main(argv=None):
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--max-k", type=int, default=16)
     parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--out", default="benchmarks/results/model_step_cost.json")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: tiny preset, context 8, K ≤ 2, 1 rep, output in the temp "
+                             "directory")
+    parser.add_argument("--out", default=None,
+                        help="default benchmarks/results/model_step_cost.json")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.presets, args.batch, args.context, args.max_k, args.reps = "tiny", 1, 8, 2, 1
+    if args.out is None:
+        args.out = (os.path.join(tempfile.gettempdir(), "specjax_quick", "model_step_cost.json")
+                    if args.quick else "benchmarks/results/model_step_cost.json")
     results = {"backend": jax.default_backend(), "devices": str(jax.devices()[0]),
                "load_average_at_start": os.getloadavg(),
                "machine": f"{platform.machine()} {os.cpu_count()} cpus",

@@ -1,9 +1,13 @@
-"""Metrics as JSON lines, and the loss-curve plot.
+"""Metrics as JSON lines and TensorBoard event files, and the loss-curve plot.
 
 ``metrics.jsonl`` holds one object per log event: ``{"step": s, "split": "train", ...}`` for
 training and ``{"step": s, "split": "eval/<domain>", ...}`` for each evaluated domain. Only
 process 0 writes. When a run resumes from step ``s``, lines with ``step > s`` (written by the
 interrupted run after its last complete checkpoint) are dropped so the file describes one run.
+
+The same values go to a TensorBoard event file next to it (``events.out.tfevents.*``, tags
+``<split>/<name>``, e.g. ``train/loss``, ``eval/math/ce``; :mod:`specjax.training.tensorboard`),
+so ``tensorboard --logdir <workdir>`` shows the run. A resumed run starts a new event file.
 """
 from __future__ import annotations
 
@@ -14,14 +18,20 @@ from typing import Any, Mapping, Optional
 
 
 class MetricsWriter:
-    """Appends JSON lines to ``path`` (no-op when ``enabled`` is false)."""
+    """Appends JSON lines to ``path`` and TensorBoard scalars to an event file in its directory
+    (no-op when ``enabled`` is false; no event file when ``tensorboard`` is false)."""
 
-    def __init__(self, path: str, *, enabled: bool = True, resume_step: Optional[int] = None):
+    def __init__(self, path: str, *, enabled: bool = True, resume_step: Optional[int] = None,
+                 tensorboard: bool = True):
         self.path = path
         self.enabled = enabled
+        self.events = None
         if not enabled:
             return
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        if tensorboard:
+            from specjax.training.tensorboard import EventWriter
+            self.events = EventWriter(os.path.dirname(path) or ".")
         if resume_step is None:
             open(path, "w").close()
         elif os.path.exists(path):
@@ -38,6 +48,8 @@ class MetricsWriter:
             record[k] = v if math.isfinite(v) else str(v)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.events is not None:
+            self.events.scalars(step, {f"{split}/{k}": float(v) for k, v in values.items()})
 
 
 def read_metrics(path: str) -> list[dict]:

@@ -1,0 +1,80 @@
+"""Tiny runs made once per test session by the command-line entry points themselves, under a
+temporary directory (not a test module): a tiny target (``python -m experiments.train``) and a tiny
+DSpark drafter trained against it (``python -m experiments.train_drafter``). Every cache the
+subprocesses could write (``SPECJAX_*`` directories, matplotlib) points into that directory.
+
+Modules using :func:`tiny_runs` import it and share the xdist group ``"tiny_runs"``, so one worker
+builds the runs, once (each importing module gets its own fixture object, so the runs are kept in
+a module-level cache).
+"""
+import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# The DSpark drafter of the tests: the tiny preset of experiments/configs/train_drafter.py, made
+# smaller still (γ = 3, one step of the DSpark loss, no eval pass) to keep compilation short.
+DSPARK_FLAGS = ("--config.task.gamma=3", "--config.task.warm_start_loss=",
+                "--config.task.switch_step=0", "--config.train.num_steps=1",
+                "--config.checkpoint.every=1", "--config.data.eval_batches=0",
+                "--config.data.seq_len=16", "--config.output.progress_bar=False",
+                "--config.output.plot=False")
+
+
+def hermetic_env(base: pathlib.Path) -> dict:
+    """The environment for entry-point subprocesses: caches under ``base``, one CPU device, this
+    checkout's ``specjax`` first on the path."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if "xla_force_host_platform_device_count" not in f)
+    env.update(JAX_PLATFORMS="cpu", MPLBACKEND="Agg", MPLCONFIGDIR=str(base / "mpl"),
+               SPECJAX_DATA_DIR=str(base / "data"), SPECJAX_TARGET_CACHE=str(base / "targets"),
+               SPECJAX_QUICKSTART_DIR=str(base / "quickstart"),
+               SPECJAX_NOTEBOOK_WORKDIR=str(base / "notebook"),
+               PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p]))
+    return env
+
+
+def run_module(env: dict, module: str, *args, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``python -m module args`` from the repository root; fails the test on a non-zero exit."""
+    cmd = [sys.executable, "-m", module, *map(str, args)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (" ".join(cmd) + "\n" + proc.stdout[-3000:]
+                                  + proc.stderr[-3000:])
+    return proc
+
+
+@dataclasses.dataclass
+class TinyRuns:
+    base: pathlib.Path
+    env: dict
+    target: pathlib.Path  # experiments.train workdir (pretrain_target.py:tiny)
+    dspark: pathlib.Path  # experiments.train_drafter workdir (dspark_markov,tiny)
+    dspark_stdout: str
+
+
+_RUNS: list = []
+
+
+@pytest.fixture(scope="session")
+def tiny_runs(tmp_path_factory) -> TinyRuns:
+    if not _RUNS:
+        _RUNS.append(_make_runs(tmp_path_factory.mktemp("tiny_runs")))
+    return _RUNS[0]
+
+
+def _make_runs(base: pathlib.Path) -> TinyRuns:
+    env = hermetic_env(base)
+    target, dspark = base / "target", base / "dspark"
+    run_module(env, "experiments.train", "--config",
+               "experiments/configs/pretrain_target.py:tiny", "--workdir", target,
+               "--config.output.progress_bar=False", "--config.output.plot=False")
+    proc = run_module(env, "experiments.train_drafter", "--config",
+                      "experiments/configs/train_drafter.py:dspark_markov,tiny",
+                      "--config.task.target_workdir", target, "--workdir", dspark, *DSPARK_FLAGS)
+    return TinyRuns(base, env, target, dspark, proc.stdout)

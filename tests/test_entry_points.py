@@ -1,0 +1,139 @@
+"""Every command-line entry point runs, from the command line, in its tiny / quick mode, with every
+cache and output under a temporary directory: ``experiments.train`` and
+``experiments.train_drafter`` (the session's tiny runs, ``_tiny_runs.py``),
+``experiments.reproduce --parts dspark``, ``experiments.offline_eval``, ``specjax.training.bench``
+and each benchmark with ``--quick`` (``benchmarks.spec_vs_plain`` on the tiny runs). Checks are on
+what the runs wrote, not only their exit codes."""
+import json
+import os
+
+import numpy as np
+import pytest
+from _tiny_runs import hermetic_env, run_module, tiny_runs  # noqa: F401  (session fixture)
+
+from specjax.training import tensorboard as tb
+from specjax.training.metrics import read_metrics
+
+TINY_RUNS = pytest.mark.xdist_group("tiny_runs")
+# The benchmarks use random weights, not the tiny runs: their own group, so that under
+# ``-n 2 --dist loadgroup`` they run beside the tiny-runs chain.
+BENCH = pytest.mark.xdist_group("quick_benchmarks")
+
+
+@pytest.fixture(scope="session")
+def repro(tiny_runs):
+    """``experiments.reproduce --mode tiny --parts dspark`` on the session's tiny target, made
+    smaller still: the DSpark-Markov drafter only, one step per drafter, 2 rows x 2 anchors."""
+    work, results = tiny_runs.base / "repro", tiny_runs.base / "repro_results"
+    run_module(tiny_runs.env, "experiments.reproduce", "--mode", "tiny", "--parts", "dspark",
+               "--workdir", work, "--results_dir", results, "--target_workdir", tiny_runs.target,
+               "--dspark_drafters", "dspark_markov", "--dspark_steps", 1, "--draft_lm_steps", 1,
+               "--dspark_eval_rows", 2, "--dspark_anchors", 2, timeout=900)
+    return work, results
+
+
+@TINY_RUNS
+def test_train_drafter_cli_writes_checkpoint_metrics_and_events(tiny_runs):
+    wd = tiny_runs.dspark
+    assert "trained 1 steps" in tiny_runs.dspark_stdout
+    config = json.load(open(wd / "config.json"))
+    assert config["task"]["drafter"] == "dspark" and config["task"]["gamma"] == 3
+    assert config["task"]["target_workdir"] == str(tiny_runs.target)
+    assert os.listdir(wd / "checkpoints") == ["1"]
+    train = [r for r in read_metrics(str(wd / "metrics.jsonl")) if r["split"] == "train"]
+    assert [r["step"] for r in train] == [1]
+    # the TensorBoard event file next to metrics.jsonl holds the same scalars
+    scalars = tb.read_scalars(str(wd))
+    for key in ("loss", "alpha_1", "alpha_3", "accept_rate", "conf_bce"):
+        assert scalars[f"train/{key}"] == [(1, np.float32(train[0][key]).item())], key
+    for key in ("alpha_1", "alpha_2", "alpha_3", "accept_rate"):
+        assert 0.0 <= train[0][key] <= 1.0
+    # the target's run (experiments.train) writes them too
+    assert "train/loss" in tb.read_scalars(str(tiny_runs.target))
+
+
+@TINY_RUNS
+def test_reproduce_dspark_part_tiny(repro):
+    work, results = repro
+    summary = json.load(open(work / "summary.json"))
+    assert "bebop" not in summary
+    table = summary["dspark"]["table"]
+    assert {k for k, v in table.items() if v} == {"DSpark-Markov", "draft LM", "n-gram"}
+    for label, row in table.items():
+        for cell, m in row.items():
+            assert cell.endswith("@7")
+            assert 1.0 <= m["tau"] <= 8.0, (label, cell, m)  # accepted + 1 per step, γ = 7
+    assert "dspark_markov_g7" in summary["dspark"]["calibration"]
+    for name in ("summary.md", "summary.json", "dspark_g7/results.json",
+                 "dspark_g7/calibration_dspark_markov_g7.json"):
+        assert (results / name).exists(), name
+    # every drafter run of the driver wrote its event file
+    for run in ("dspark_markov_g7", "draft_lm"):
+        assert "train/loss" in tb.read_scalars(str(work / "drafters" / run)), run
+
+
+@TINY_RUNS
+def test_offline_eval_cli(tiny_runs, repro, tmp_path):
+    work, _ = repro
+    out = tmp_path / "eval"
+    run_module(tiny_runs.env, "experiments.offline_eval", "--target_workdir", tiny_runs.target,
+               "--eval_file", work / "data" / "heldout.npz", "--drafter",
+               f"dspark={tiny_runs.dspark}", "--drafter", "ngram", "--max_rows", 2,
+               "--anchors_per_row", 2, "--out", out)
+    results = json.load(open(out / "results.json"))
+    assert set(results) == {"dspark", "ngram"}
+    for name, cells in results.items():
+        assert {"greedy@0", "RS@1", "TO@1"} <= set(cells), name
+        for cell, doms in cells.items():
+            for d, m in doms.items():
+                gamma = 3 if name == "dspark" else 4
+                assert 1.0 <= m["tau"] <= gamma + 1, (name, cell, d)
+                assert len(m["acceptance"]) == gamma
+    for f in ("results.md", "acceptance_per_position.png", "calibration_dspark.json",
+              "calibration.md"):
+        assert (out / f).exists(), f
+
+
+@TINY_RUNS
+def test_spec_vs_plain_quick(tiny_runs, tmp_path):
+    out = tmp_path / "spec_vs_plain.json"
+    run_module(tiny_runs.env, "benchmarks.spec_vs_plain", "--quick", "--target", tiny_runs.target,
+               "--drafter", f"dspark={tiny_runs.dspark}", "--out", out, "--md",
+               tmp_path / "table.md", "--png", tmp_path / "speedup.png")
+    r = json.load(open(out))
+    (cell,) = r["cells"]
+    assert (cell["domain"], cell["batch"], cell["temperature"]) == ("math", 1, 0.0)
+    spec = cell["decoders"]["spec:dspark:fixed"]
+    assert spec["tokens"] == 16 and 1.0 <= spec["tau"] <= 4.0  # γ = 3
+    assert set(cell["decoders"]) == {"generate_host", "generate", "engine_none",
+                                     "spec:dspark:fixed"}
+    assert (tmp_path / "table.md").stat().st_size > 0 and (tmp_path / "speedup.png").exists()
+
+
+@BENCH
+def test_training_bench_cli(tmp_path):
+    proc = run_module(hermetic_env(tmp_path), "specjax.training.bench", "--preset", "tiny",
+                      "--batch", 2, "--seq-len", 16, "--steps", 1)
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["preset"] == "tiny" and r["batch"] == 2 and r["seq_len"] == 16
+    assert r["steps_per_s"] > 0 and r["tokens_per_s"] > 0
+
+
+@BENCH
+@pytest.mark.parametrize("module, extra, check", [
+    ("benchmarks.loss_memory", [], lambda r: {(x["loss"], x["tokens"], x["vocab"])
+                                              for x in r["rows"]} >= {("tv", 8, 512)}),
+    ("benchmarks.model_step_cost", [],
+     lambda r: [p["preset"] for p in r["presets"]] == ["tiny"]
+     and [v["K"] for v in r["presets"][0]["verify"]] == [1, 2]),
+    ("benchmarks.verify_throughput", ["--reps", 1],
+     lambda r: r["reps"] == 1 and [x["B"] for x in r["results"]] == [1, 64]),
+    ("benchmarks.serving", [], lambda r: set(r["closed_loop"]) == {"1", "4"}),
+])
+def test_benchmark_quick(module, extra, check, tmp_path):
+    out = tmp_path / "out.json"
+    args = ["--quick", "--out", out] + extra
+    if module == "benchmarks.serving":
+        args += ["--md", tmp_path / "serving.md"]
+    run_module(hermetic_env(tmp_path), module, *args)
+    assert check(json.load(open(out)))
