@@ -89,7 +89,6 @@ def _step_costs(eng, reps: int) -> dict:
     sampling = eng._put(eng._sampling())
     keys = eng._slot_keys(2)
     nd = eng._put(np.full(s, k, np.int32))
-    zero_lengths = eng._put(np.zeros(s, np.int32))
     bucket = next(b for b in eng.buckets if b >= s * (k + 1))
 
     def draft():
@@ -106,7 +105,8 @@ def _step_costs(eng, reps: int) -> dict:
                                      eng.frozen, eng.state, d.tokens, d.probs, nd, keys, sampling,
                                      bucket=bucket, gamma=g, method=eng.config.method)
         # back to an empty cache (lengths committed like every step output: no recompilation)
-        eng.state = eng.state._replace(cache=eng.state.cache.rollback(zero_lengths))
+        eng.state = eng.state._replace(
+            cache=eng.state.cache.rollback(eng._put(np.zeros(s, np.int32))))
         jax.block_until_ready(res.tokens)
 
     t_verify, _ = _median_time(verify, reps)
