@@ -73,6 +73,14 @@ def split_microbatches(x: jax.Array, num: int) -> jax.Array:
     return x.reshape((x.shape[0] // num, num) + x.shape[1:]).swapaxes(0, 1)
 
 
+def abstract_frozen(task: TrainTask) -> PyTree:
+    """Shapes and dtypes of ``task.init_frozen()`` without creating it: the task's own
+    ``abstract_frozen()`` when it has one (a drafter task's frozen target may be gigabytes),
+    else ``jax.eval_shape(task.init_frozen)``."""
+    fn = getattr(task, "abstract_frozen", None)
+    return fn() if fn is not None else jax.eval_shape(task.init_frozen)
+
+
 class Trainer:
     """Owns the mesh, shardings, optimizer, jitted functions, checkpoints and metric files.
 
@@ -112,10 +120,11 @@ class Trainer:
 
         self.abstract_state: TrainState = jax.eval_shape(self._init_fn, jax.random.PRNGKey(0))
         self.state_shardings: TrainState = self._state_shardings()
+        self.abstract_frozen = abstract_frozen(self.task)
         self.frozen_shardings = sharding_lib.tree_shardings(
-            jax.eval_shape(self.task.init_frozen), self.task.frozen_logical_axes(), self.mesh,
+            self.abstract_frozen, self.task.frozen_logical_axes(), self.mesh,
             on_indivisible=cfg.sharding.on_indivisible)
-        self.frozen = jax.device_put(self.task.init_frozen(), self.frozen_shardings)
+        self._frozen = None  # placed on first use (ahead-of-time compilation never needs it)
         self._batch_sharding = NamedSharding(
             self.mesh, sharding_lib.batch_sharding(self.mesh, 1).spec)
         replicated = sharding_lib.replicated(self.mesh)
@@ -142,6 +151,13 @@ class Trainer:
         self.first_step_seconds: Optional[float] = None
         self.train_seconds: Optional[float] = None
         self.eval_seconds: Optional[float] = None
+
+    @property
+    def frozen(self) -> PyTree:
+        """The task's frozen pytree, placed on the mesh once (on first use)."""
+        if self._frozen is None:
+            self._frozen = jax.device_put(self.task.init_frozen(), self.frozen_shardings)
+        return self._frozen
 
     # -- pure functions (traced) ----------------------------------------------------------------
     def _init_fn(self, key: jax.Array) -> TrainState:
