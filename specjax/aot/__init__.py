@@ -23,4 +23,5 @@ __all__ = [
 def compile_program(program: Program, mesh, topology: str) -> ProgramReport:
     """:func:`compile_report` of a :class:`Program`."""
     return compile_report(program.name, program.lower, mesh, topology, shapes=program.shapes,
-                          model_flops=program.model_flops, notes=program.notes)
+                          model_flops=program.model_flops, notes=program.notes,
+                          loop_multiplier=program.loop_multiplier)

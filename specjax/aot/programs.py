@@ -37,6 +37,7 @@ class Program:
     shapes: dict
     model_flops: Optional[float] = None
     notes: dict = dataclasses.field(default_factory=dict)
+    loop_multiplier: int = 1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -100,6 +101,7 @@ def train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> Program:
                       anchors_per_row=cfg.task.anchors_per_row)
     return Program(
         name=name, shapes=shapes, model_flops=float(flops),
+        loop_multiplier=cfg.train.grad_accum_steps,
         lower=lambda: trainer._step.lower(trainer.abstract_state, batch, trainer.abstract_frozen))
 
 
