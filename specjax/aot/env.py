@@ -45,7 +45,8 @@ def ensure_libtpu() -> str:
     """Sets the environment libtpu reads (once) and returns the library's path.
 
     ``TPU_ACCELERATOR_TYPE`` and ``TPU_WORKER_HOSTNAMES`` are set only if unset: without them
-    libtpu probes the (absent) TPU host metadata and logs errors.
+    libtpu probes the (absent) TPU host metadata and logs errors. ``ALLOW_MULTIPLE_LIBTPU_LOAD``
+    lets several processes compile at once.
 
     Raises:
       LibtpuMissing with the install command.
@@ -59,4 +60,7 @@ def ensure_libtpu() -> str:
     os.environ["TPU_LIBRARY_PATH"] = path
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # libtpu takes a machine-wide lock file on load; compiling touches no TPU, so several
+    # processes (pytest workers, a pre-flight next to a test run) may load it at once.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     return path

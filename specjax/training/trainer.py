@@ -197,14 +197,19 @@ class Trainer:
 
             shapes = jax.eval_shape(self._grads, state.params,
                                     jax.tree.map(lambda x: x[0], micro), step_rng, frozen)
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            # Accumulate in f32 whatever the parameter dtype (bf16 sums of many microbatches
+            # lose the small ones; and w * g is f32, so a bf16 carry would change type).
+            zeros = jax.tree.map(
+                lambda s: jnp.zeros(s.shape, jnp.float32 if jnp.issubdtype(s.dtype, jnp.floating)
+                                    else s.dtype), shapes)
             init = (zeros[0], zeros[1], zeros[2], zeros[3])
             (sum_loss, sum_metrics, sum_grads, weight), _ = jax.lax.scan(
                 body, init, (micro, jnp.arange(num_micro)))
             inv = 1.0 / jnp.maximum(weight, 1e-12)
             loss = sum_loss * inv
             metrics = jax.tree.map(lambda m: m * inv, sum_metrics)
-            grads = jax.tree.map(lambda g: (g * inv).astype(g.dtype), sum_grads)
+            grads = jax.tree.map(lambda g, p: (g * inv).astype(p.dtype), sum_grads,
+                                 state.params)
 
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
