@@ -6,9 +6,10 @@
 * ``<drafter>``: ``mtp`` (one MTP head chained γ = 3, Bebop's e2e-TV loss) or ``dspark`` (one
   DSpark block with a Markov head and a confidence head, γ = 7, DSpark's loss);
 * ``<slice>``: ``v5e-8`` | ``v5e-256`` | ``v5p-64`` | ``v6e-16`` | any slice or topology name
-  (default ``v5p-64``). It sets the mesh (FSDP over every chip) and the microbatch: every step
-  trains on ``256 x 4096`` tokens, split into microbatches of ``rows_per_chip`` rows per chip
-  (gradient accumulation).
+  (default ``v5p-64``). It sets the mesh (FSDP over every chip), the sequence length (4096, or
+  shorter where a 4096-token row does not fit one chip: :data:`SHORTER_SEQ`) and the microbatch:
+  every step trains on ``256 x 4096`` tokens (e.g. 1024 rows of 1024), in microbatches of one
+  row per chip (gradient accumulation).
 
 Pre-flight (compile for the slice on any machine, see docs/TPU.md)::
 
@@ -26,10 +27,13 @@ from specjax.models import get_preset
 from specjax.training.config import default_config
 import specjax.training.drafter_task  # noqa: F401  (registers the "drafter" task)
 
-GLOBAL_BATCH = 256
+TOKENS_PER_STEP = 256 * 4096  # global batch, whatever the sequence length
 SEQ_LEN = 4096
-# Microbatch rows per chip by generation (HBM per chip: v5e 16 GiB, v6e 32 GiB, v5p 95 GiB).
-ROWS_PER_CHIP = {"v5e": 1, "v6e": 1, "v5p": 2, "v4": 1}
+# Sequence length where 4096 does not fit one row per chip (HBM per chip: v5e 16 GiB, v6e
+# 32 GiB, v5p 95 GiB); measured by `python -m experiments.tpu_plan --table`, see docs/TPU.md.
+SHORTER_SEQ = {("v5e", "qwen3-8b"): 1024, ("v5e", "qwen3-4b"): 2048,
+               ("v6e", "qwen3-8b"): 2048, ("v6e", "qwen3-4b"): 2048}
+ROWS_PER_CHIP = 1  # microbatch rows per chip (more steps of gradient accumulation otherwise)
 
 
 def get_config(arg: str | None = None):
@@ -39,15 +43,16 @@ def get_config(arg: str | None = None):
     target, drafter = parts[:2]
     slice_name = parts[2] if len(parts) == 3 else "v5p-64"
     chips = num_chips(slice_name)
-    rows = ROWS_PER_CHIP[slice_name.split(":")[0].split("-")[0]]
+    gen = slice_name.split(":")[0].split("-")[0]
+    seq = SHORTER_SEQ.get((gen, target), SEQ_LEN)
 
     c = default_config("drafter")
     c.model.preset = target
     c.model.overrides.param_dtype = "bfloat16"  # the frozen target is served / read in bf16
-    c.data.seq_len = SEQ_LEN
-    c.data.batch_size = max(GLOBAL_BATCH, chips * rows)
+    c.data.seq_len = seq
+    c.data.batch_size = max(TOKENS_PER_STEP // seq, chips * ROWS_PER_CHIP)
     c.data.eval_batches = 0
-    c.train.grad_accum_steps = max(1, c.data.batch_size // (chips * rows))
+    c.train.grad_accum_steps = max(1, c.data.batch_size // (chips * ROWS_PER_CHIP))
     c.train.num_steps = 20000
     c.train.log_every = 50
     c.optimizer.learning_rate = 3e-4

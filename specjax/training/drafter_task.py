@@ -96,6 +96,11 @@ def _axes_of(abstract_state) -> dict:
     return nnx.to_pure_dict(axes)
 
 
+def _abspath(path: str) -> str:
+    """Absolute local path; URLs (``gs://...``, what pods use) unchanged."""
+    return path if "://" in path else os.path.abspath(path)
+
+
 def _opt(value: int) -> Optional[int]:
     return value if value > 0 else None
 
@@ -253,7 +258,7 @@ def load_target(target_config: ModelConfig, workdir: str = "", *, step: int = -1
     if not workdir:
         model = Transformer(target_config, rngs=nnx.Rngs(params=seed))
         return graphdef, nnx.to_pure_dict(nnx.state(model))
-    directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    directory = os.path.join(_abspath(workdir), "checkpoints")
     return graphdef, restore_params(directory, abstract, None if step < 0 else step)
 
 
@@ -314,6 +319,23 @@ class DrafterTask:
 
     def init_frozen(self):
         return {"target": self.frozen_target()[1]}
+
+    def load_frozen(self, shardings):
+        """The frozen pytree placed with ``shardings`` (``{"target": ...}``, from the trainer).
+
+        A target checkpoint (``task.target_workdir``) is restored by Orbax directly into the
+        shardings: every host reads only its own shards, and no device or host ever holds the
+        whole target (what a pod needs for an 8B target on 16 GiB chips). A random target
+        (tests) is created on the host and placed.
+        """
+        t = self.task_config
+        if not t.target_workdir:
+            return jax.device_put(self.init_frozen(), shardings)
+        from specjax.training.checkpoint import abstract_with_shardings, restore_params
+        abstract = abstract_with_shardings(self._target_abstract, shardings["target"])
+        directory = os.path.join(_abspath(t.target_workdir), "checkpoints")
+        step = None if t.target_step < 0 else t.target_step
+        return {"target": restore_params(directory, abstract, step)}
 
     def abstract_frozen(self):
         """Shapes / dtypes of :meth:`init_frozen` without loading the target."""

@@ -156,7 +156,11 @@ class Trainer:
     def frozen(self) -> PyTree:
         """The task's frozen pytree, placed on the mesh once (on first use)."""
         if self._frozen is None:
-            self._frozen = jax.device_put(self.task.init_frozen(), self.frozen_shardings)
+            # A task may load its frozen pytree straight into the shardings (a large target
+            # restored shard by shard on every host) instead of building it on one host.
+            load = getattr(self.task, "load_frozen", None)
+            self._frozen = load(self.frozen_shardings) if load is not None else \
+                jax.device_put(self.task.init_frozen(), self.frozen_shardings)
         return self._frozen
 
     # -- pure functions (traced) ----------------------------------------------------------------
