@@ -4,7 +4,7 @@ The drafter task reads its frozen target from ``<workdir>/checkpoints`` (Orbax),
 host's shards directly into the training mesh (``task.target_workdir``; see docs/TPU.md)::
 
     python -m experiments.hf_to_target --hf_dir /path/to/Qwen3-8B --preset qwen3-8b \
-        --workdir gs://BUCKET/qwen3-8b-specjax
+        --workdir /gcs/BUCKET/qwen3-8b-specjax
 
 The checkpoint's architecture must equal the preset the drafter config names (checked here), and
 parameters are stored in ``--dtype`` (bf16 by default, what ``tpu_pod.py`` configs read).
@@ -18,7 +18,7 @@ from absl import app, flags
 
 _HF_DIR = flags.DEFINE_string("hf_dir", None, "Local HF checkpoint directory.", required=True)
 _PRESET = flags.DEFINE_string("preset", None, "specjax preset it must match.", required=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output target workdir (local or gs://).",
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output target workdir (a directory every training host sees).",
                                required=True)
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Parameter dtype stored.")
 

@@ -49,7 +49,7 @@ _MAX_LEN = flags.DEFINE_integer("engine_max_len", 4096, "Engine cache length per
 
 TABLE_TARGETS = ("qwen3-0.6b", "qwen3-4b", "qwen3-8b")
 TABLE_DRAFTERS = ("mtp", "dspark")
-TABLE_SLICES = ("v5e-8", "v5e-256", "v5p-64", "v6e-16")
+TABLE_SLICES = ("v5p-64", "v6e-16", "v5e-8", "v5e-256")
 
 
 def _gib(x) -> str:
@@ -144,9 +144,9 @@ def table(out: str) -> list:
     from experiments.configs.tpu_pod import get_config
     rows, errors = [], []
     os.makedirs(out, exist_ok=True)
-    for target in reversed(TABLE_TARGETS):  # the largest first: the rows most likely not to fit
-        for drafter in TABLE_DRAFTERS:
-            for slice_name in TABLE_SLICES:
+    for slice_name in TABLE_SLICES:
+        for target in reversed(TABLE_TARGETS):
+            for drafter in TABLE_DRAFTERS:
                 config = get_config(f"{target},{drafter},{slice_name}")
                 try:
                     rows += plan(config, slice_name, ["train"], fit=True, tries=2)

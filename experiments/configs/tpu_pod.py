@@ -15,12 +15,13 @@ Pre-flight (compile for the slice on any machine, see docs/TPU.md)::
 
     python -m experiments.tpu_plan --config experiments/configs/tpu_pod.py:qwen3-8b,mtp,v5p-64
 
-Launch on every host of the slice (``jax.distributed`` finds the pod by itself)::
+Launch on every host of the slice (``jax.distributed`` finds the pod by itself; paths on a
+directory every host mounts, e.g. a gcsfuse bucket)::
 
     python -m experiments.train_drafter \\
         --config experiments/configs/tpu_pod.py:qwen3-8b,mtp,v5p-64 \\
-        --config.task.target_workdir gs://BUCKET/qwen3-8b-specjax \\
-        --config.task.data_file gs://BUCKET/rows_4096.npz --workdir gs://BUCKET/runs/mtp-8b
+        --config.task.target_workdir /gcs/BUCKET/qwen3-8b-specjax \\
+        --config.task.data_file /gcs/BUCKET/rows_4096.npz --workdir /gcs/BUCKET/runs/mtp-8b
 """
 from specjax.aot.chips import num_chips
 from specjax.models import get_preset
@@ -31,8 +32,8 @@ TOKENS_PER_STEP = 256 * 4096  # global batch, whatever the sequence length
 SEQ_LEN = 4096
 # Sequence length where 4096 does not fit one row per chip (HBM per chip: v5e 16 GiB, v6e
 # 32 GiB, v5p 95 GiB); measured by `python -m experiments.tpu_plan --table`, see docs/TPU.md.
-SHORTER_SEQ = {("v5e", "qwen3-8b"): 1024, ("v5e", "qwen3-4b"): 2048,
-               ("v6e", "qwen3-8b"): 2048, ("v6e", "qwen3-4b"): 2048}
+SHORTER_SEQ = {("v5e", "qwen3-8b"): 1024, ("v5e", "qwen3-4b"): 1024, ("v5e", "qwen3-0.6b"): 2048,
+               ("v6e", "qwen3-8b"): 2048, ("v6e", "qwen3-4b"): 2048, ("v6e", "qwen3-0.6b"): 2048}
 ROWS_PER_CHIP = 1  # microbatch rows per chip (more steps of gradient accumulation otherwise)
 
 
