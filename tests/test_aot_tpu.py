@@ -81,12 +81,17 @@ def test_engine_device_steps_compile_tensor_parallel():
         assert r.fits and r.mesh["tensor"] == 4
 
 
-def test_rejection_kernel_compiles_for_tpu():
+@pytest.mark.parametrize("batch,gamma,vocab", [(256, 8, 151936), (64, 8, 32000), (32, 4, 151936),
+                                               (48, 4, 151936)])
+def test_rejection_kernel_compiles_for_tpu_at_one_read_of_p_and_q(batch, gamma, vocab):
     mesh = aot.topology_mesh(TOPOLOGY, {"data": -1})
-    r = _compile(aot.rejection_kernel(mesh, batch=16, gamma=4, vocab=151936), mesh)
+    r = _compile(aot.rejection_kernel(mesh, batch=batch, gamma=gamma, vocab=vocab), mesh)
     assert r.fits and r.bound == "memory"
-    # no verifier that reads every probability can move fewer bytes than one read of p and q
-    assert r.bytes_accessed >= r.notes["pq_bytes"]
+    # it reads every probability once (and the noise, one row per batch row): between one read of
+    # p and q and 1.2 of it. (12 rows per chip in the last case: not a multiple of 8, one block of
+    # all rows.) Tiny arrays are not in the list: XLA prefetches operands that fit in VMEM into
+    # it and the cost model counts that copy on top of the kernel's own reads.
+    assert r.notes["pq_bytes"] <= r.bytes_accessed <= 1.2 * r.notes["pq_bytes"]
 
 
 def test_oversized_config_is_reported_not_fitting_with_its_numbers():

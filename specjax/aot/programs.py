@@ -209,11 +209,17 @@ def engine_steps(target_config: ModelConfig, task_config: ml_collections.ConfigD
 # the Pallas rejection sampler
 # ------------------------------------------------------------------------------------------------
 def rejection_kernel(mesh: Mesh, *, batch: int, gamma: int, vocab: int,
-                     backend: str = "mosaic_tpu", tiles=None) -> Program:
+                     backend: str = "mosaic_tpu", tiles=None, row_major: bool = True) -> Program:
     """``rejection_sample_pallas`` with rows split over every mesh device by ``shard_map``.
 
-    ``notes["pq_bytes"]`` is one read of this device's ``p`` and ``q`` (the physical floor of any
-    verifier that looks at every probability), to compare with the compiled ``bytes_accessed``.
+    ``notes["pq_bytes"]`` is one read of this device's ``p`` and ``q`` (what a verifier that looks
+    at every probability must read), to compare with the compiled ``bytes_accessed``.
+
+    ``row_major``: the inputs arrive in row-major layout, as the kernel reads them. Inside a
+    program (the engine's verification step) the producers of ``p`` and ``q`` write whatever layout
+    their consumer asks for; only a jit *parameter* has a fixed default layout, and TPU's default
+    for ``[B, K+1, V]`` with ``K + 1`` not a multiple of 8 puts ``K + 1`` outermost, which would add
+    a copy of ``p`` that the step itself does not have. ``False`` measures that default.
     """
     from pallas_kernels.rejection_sampling import rejection_sample_pallas
 
@@ -231,9 +237,16 @@ def rejection_kernel(mesh: Mesh, *, batch: int, gamma: int, vocab: int,
         out = rejection_sample_pallas(*a, backend=backend, tiles=tiles)
         return out.tokens, out.num_accepted
 
+    in_shardings = None
+    if row_major:
+        from jax.experimental.layout import Format, Layout
+        in_shardings = tuple(Format(Layout(major_to_minor=tuple(range(len(a.shape)))), rows)
+                             for a in args)
     fn = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(PartitionSpec(axes),) * 6,
-                               out_specs=(PartitionSpec(axes), PartitionSpec(axes)), check_vma=False))
+                               out_specs=(PartitionSpec(axes), PartitionSpec(axes)),
+                               check_vma=False), in_shardings=in_shardings)
     pq = (batch // n) * (2 * gamma + 1) * vocab * 4
     return Program(name=f"rejection[{backend}]",
-                   shapes={"batch": batch, "gamma": gamma, "vocab": vocab},
+                   shapes={"batch": batch, "gamma": gamma, "vocab": vocab,
+                           "row_major": row_major},
                    notes={"pq_bytes": pq}, lower=lambda: fn.lower(*args))
