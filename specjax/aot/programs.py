@@ -106,7 +106,7 @@ def train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> Program:
 
 
 # ------------------------------------------------------------------------------------------------
-# engine device steps (an adapter over specjax.engine_steps: re-point here when they change)
+# engine device steps (an adapter over specjax.engine.steps: re-point here when they change)
 # ------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class EngineShapes:
@@ -121,8 +121,8 @@ class EngineShapes:
 
 def _engine_device_fns():
     """The engine's jitted device steps (one place to change when the engine's steps move)."""
-    from specjax import engine_steps
-    return engine_steps.draft_step, engine_steps.verify_step, engine_steps.prefill_step
+    from specjax.engine import steps
+    return steps.draft_step, steps.verify_step, steps.prefill_step
 
 
 def engine_steps(target_config: ModelConfig, task_config: ml_collections.ConfigDict, mesh: Mesh,
@@ -139,7 +139,7 @@ def engine_steps(target_config: ModelConfig, task_config: ml_collections.ConfigD
     """
     from specjax.drafters import shared_head
     from specjax.drafters.base import Observation, Sampling  # noqa: F401  (pytree types)
-    from specjax.engine_steps import DeviceState
+    from specjax.engine.steps import DeviceState
     from specjax.models.kv_cache import init_cache
     from specjax.training.drafter_task import build_drafter, _axes_of
 
