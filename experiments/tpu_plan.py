@@ -5,7 +5,7 @@ HBM), FLOPs and bytes, a roofline step time and, for training, an MFU estimate (
 :mod:`specjax.aot.compile` for what each number means), as JSON and a markdown table::
 
     python -m experiments.tpu_plan --config experiments/configs/tpu_pod.py:qwen3-8b,mtp,v5p-64 \
-        --topology v5p-64 --out /tmp/tpu_plan
+        --topology v5p-64 --out plan
     python -m experiments.tpu_plan --config experiments/configs/pretrain_target.py \
         --config.model.preset qwen3-0.6b --topology v5e:2x2 --programs train
 
