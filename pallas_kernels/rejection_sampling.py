@@ -29,9 +29,11 @@ for accelerators where the probabilities are already in HBM and streamed at full
 
 Backends (``rejection_sample_pallas(..., backend=...)``):
 
-* ``"mosaic_tpu"``: grid ``(B, cdiv(V, block_v))``, batch axis ``parallel``, vocab axis ``arbitrary``;
-  blocks ``[K+1, block_v]`` of ``p``, ``[K, block_v]`` of ``q``; running statistics live in the
-  resident output blocks and a VMEM scratch. The vocab tail (``V % block_v != 0``, e.g. 8193 or 151936)
+* ``"mosaic_tpu"``: grid ``(B / 8, cdiv(V, block_v))`` (one block of all rows when ``B % 8 != 0``),
+  batch axis ``parallel``, vocab axis ``arbitrary``; blocks ``[8, K+1, block_v]`` of ``p``,
+  ``[8, K, block_v]`` of ``q``, ``[8, block_v]`` of the noise; running statistics live in the resident
+  output blocks and a VMEM scratch. The kernel declares its HBM traffic to XLA
+  (``pl.CostEstimate``): XLA cannot see inside a Mosaic kernel. The vocab tail (``V % block_v != 0``, e.g. 8193 or 151936)
   is masked, never padded (padding would copy ``p`` and ``q``).
 * ``"triton"``: grid ``(B, K+1)``, one program per (row, position), looping over vocab tiles of
   ``block_v`` (a power of two, as Triton requires) with masked loads.
@@ -164,18 +166,19 @@ def rejection_sample_reference(
 # TPU (Mosaic) kernel: grid (B, vocab tiles)
 
 
-def _race_update(score, col, best_ref, idx_ref):
+def _race_update(score, col, best_ref, idx_ref, i):
     # The index min-reduction runs in float32 (exact for ids < 2**24): float lane reductions are the
     # ones every TPU generation supports.
     m = jnp.max(score, axis=1, keepdims=True)
-    i = jnp.min(jnp.where(score == m, col.astype(jnp.float32), jnp.inf), axis=1, keepdims=True)
-    i = i.astype(jnp.int32)
-    better = m > best_ref[...]
-    best_ref[...] = jnp.where(better, m, best_ref[...])
-    idx_ref[...] = jnp.where(better, i, idx_ref[...])
+    j = jnp.min(jnp.where(score == m, col.astype(jnp.float32), jnp.inf), axis=1, keepdims=True)
+    j = j.astype(jnp.int32)
+    best = best_ref[i]
+    better = m > best
+    best_ref[i] = jnp.where(better, m, best)
+    idx_ref[i] = jnp.where(better, j, idx_ref[i])
 
 
-def _tpu_kernel(*refs, k, vocab, block_v):
+def _tpu_kernel(*refs, k, vocab, block_v, rows):
     if k:
         x_ref, p_ref, q_ref, e_ref, pa_ref, pidx_ref, qa_ref, ridx_ref, pbest_ref, rbest_ref = refs
     else:
@@ -194,16 +197,35 @@ def _tpu_kernel(*refs, k, vocab, block_v):
 
     col = t * block_v + jax.lax.broadcasted_iota(jnp.int32, (1, block_v), 1)
     valid = col < vocab
-    r = jnp.where(valid, 1.0 / e_ref[...].astype(jnp.float32), 0.0)  # (1, T)
-    p = jnp.where(valid, p_ref[...].astype(jnp.float32), 0.0)  # (K+1, T)
-    x = x_ref[...]  # (K+1, 1)
-    pa_ref[...] += jnp.sum(jnp.where(col == x, p, 0.0), axis=1, keepdims=True)
-    _race_update(p * r, col, pbest_ref, pidx_ref)
-    if k:
-        pk = jnp.where(valid, p_ref[pl.ds(0, k), :].astype(jnp.float32), 0.0)  # (K, T)
-        q = jnp.where(valid, q_ref[...].astype(jnp.float32), 0.0)  # (K, T)
-        qa_ref[...] += jnp.sum(jnp.where(col == x_ref[pl.ds(0, k), :], q, 0.0), axis=1, keepdims=True)
-        _race_update(jnp.maximum(pk - q, 0.0) * r, col, rbest_ref, ridx_ref)
+    for i in range(rows):  # the block's batch rows (static: 8, or all B when B % 8 != 0)
+        r = jnp.where(valid, 1.0 / e_ref[pl.ds(i, 1), :].astype(jnp.float32), 0.0)  # (1, T)
+        p = jnp.where(valid, p_ref[i].astype(jnp.float32), 0.0)  # (K+1, T)
+        x = x_ref[i]  # (K+1, 1)
+        pa_ref[i] += jnp.sum(jnp.where(col == x, p, 0.0), axis=1, keepdims=True)
+        _race_update(p * r, col, pbest_ref, pidx_ref, i)
+        if k:
+            pk = p[:k]  # (K, T)
+            q = jnp.where(valid, q_ref[i].astype(jnp.float32), 0.0)  # (K, T)
+            qa_ref[i] += jnp.sum(jnp.where(col == x[:k], q, 0.0), axis=1, keepdims=True)
+            _race_update(jnp.maximum(pk - q, 0.0) * r, col, rbest_ref, ridx_ref, i)
+
+
+def _tpu_cost(bsz, k, padded_vocab, p_dtype, q_dtype, e_dtype):
+    """What the TPU kernel moves and computes, for XLA's cost model.
+
+    XLA cannot see inside a Mosaic kernel (without this estimate a compiled program's cost analysis
+    leaves the kernel's reads out), so the kernel states its own traffic. It is exact for this
+    pipeline: over the grid ``(B, vocab tiles)`` every ``[K+1, block_v]`` block of ``p``,
+    ``[K, block_v]`` block of ``q`` and ``[1, block_v]`` block of the noise is fetched once (the vocab
+    tail tile is fetched whole, hence ``padded_vocab``), the drafted tokens once per row, and the
+    four ``[B, K(+1)]`` statistics written once.
+    """
+    item = lambda dt: jnp.dtype(dt).itemsize
+    reads = bsz * padded_vocab * ((k + 1) * item(p_dtype) + k * item(q_dtype) + item(e_dtype))
+    small = bsz * (k + 1) * 4 * 5  # tokens in, four statistics out
+    # per element of p: hit test, add, race (mul, compare, select, min); residual race on q the same
+    flops = bsz * padded_vocab * (6 * (k + 1) + 7 * k + 1)
+    return pl.CostEstimate(flops=int(flops), transcendentals=0, bytes_accessed=int(reads + small))
 
 
 def _stats_tpu(xp, draft_probs, target_probs, exponentials, tiles: RejectionTiles, interpret):
@@ -211,28 +233,35 @@ def _stats_tpu(xp, draft_probs, target_probs, exponentials, tiles: RejectionTile
 
     bsz, k1, vocab = target_probs.shape
     k = k1 - 1
-    bv = min(tiles.block_v, pl.cdiv(vocab, 128) * 128)
-    grid = (bsz, pl.cdiv(vocab, bv))
-    col_spec = lambda rows: pl.BlockSpec((None, rows, 1), lambda b, t: (b, 0, 0))
-    in_specs = [col_spec(k1), pl.BlockSpec((None, k1, bv), lambda b, t: (b, 0, t))]
+    # Tiles of at most block_v lanes, balanced so that the last (partial) one wastes < 128 lanes
+    # (V = 8193 in blocks of 2048 would fetch 25 % more than V).
+    lanes = pl.cdiv(vocab, 128)
+    bv = pl.cdiv(lanes, pl.cdiv(lanes * 128, tiles.block_v)) * 128
+    # Blocks of `rows` batch rows: the noise [B, V] is then tiled (8, block_v), TPU's own tiling, so
+    # it is read in place (a one-row block of it is not allowed, and a [B, 1, V] view would have
+    # another layout: XLA would copy the whole array to make it).
+    rows = 8 if bsz % 8 == 0 else bsz
+    grid = (bsz // rows, pl.cdiv(vocab, bv))
+    col_spec = lambda n: pl.BlockSpec((rows, n, 1), lambda b, t: (b, 0, 0))
+    in_specs = [col_spec(k1), pl.BlockSpec((rows, k1, bv), lambda b, t: (b, 0, t))]
     args = [xp[:, :, None], target_probs]
     if k:
-        in_specs.append(pl.BlockSpec((None, k, bv), lambda b, t: (b, 0, t)))
+        in_specs.append(pl.BlockSpec((rows, k, bv), lambda b, t: (b, 0, t)))
         args.append(draft_probs)
-    in_specs.append(pl.BlockSpec((None, 1, bv), lambda b, t: (b, 0, t)))
-    args.append(exponentials.reshape(bsz, 1, vocab))
+    in_specs.append(pl.BlockSpec((rows, bv), lambda b, t: (b, t)))
+    args.append(exponentials)
     out_shape = [
         jax.ShapeDtypeStruct((bsz, k1, 1), jnp.float32),
         jax.ShapeDtypeStruct((bsz, k1, 1), jnp.int32),
     ]
     out_specs = [col_spec(k1), col_spec(k1)]
-    scratch = [pltpu.VMEM((k1, 1), jnp.float32)]
+    scratch = [pltpu.VMEM((rows, k1, 1), jnp.float32)]
     if k:
         out_shape += [jax.ShapeDtypeStruct((bsz, k, 1), jnp.float32), jax.ShapeDtypeStruct((bsz, k, 1), jnp.int32)]
         out_specs += [col_spec(k), col_spec(k)]
-        scratch.append(pltpu.VMEM((k, 1), jnp.float32))
+        scratch.append(pltpu.VMEM((rows, k, 1), jnp.float32))
     outs = pl.pallas_call(
-        functools.partial(_tpu_kernel, k=k, vocab=vocab, block_v=bv),
+        functools.partial(_tpu_kernel, k=k, vocab=vocab, block_v=bv, rows=rows),
         out_shape=out_shape,
         grid=grid,
         in_specs=in_specs,
@@ -241,6 +270,8 @@ def _stats_tpu(xp, draft_probs, target_probs, exponentials, tiles: RejectionTile
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
         name="rejection_sampling_stats",
+        cost_estimate=_tpu_cost(bsz, k, grid[1] * bv, target_probs.dtype, draft_probs.dtype,
+                                exponentials.dtype),
     )(*args)
     outs = [o[..., 0] for o in outs]
     if k:

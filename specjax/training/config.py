@@ -53,6 +53,11 @@ def default_config(task: str = "lm") -> ml_collections.ConfigDict:
     c.train.grad_accum_steps = 1  # microbatches per step (the global batch is split evenly)
     c.train.log_every = 10  # steps between metric lines / progress-bar updates
     c.train.eval_every = 0  # 0 = evaluate only at the end
+    # Activation memory of the trained transformer (specjax.training.memory): jax.checkpoint
+    # policy per block ("none" | "full" | "dots" | "all_dots"), and positions per chunk of the
+    # vocabulary loss (0 = the whole sequence at once; the logits are then [B, T, V] f32).
+    c.train.remat = "none"
+    c.train.logits_chunk = 0
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.learning_rate = 3e-3  # peak
@@ -101,10 +106,11 @@ _CHOICES = {
     "data.kind": ("synthetic", "embedded"),
     "sharding.on_indivisible": sharding_lib.ON_INDIVISIBLE,
     "distributed.initialize": ("auto", "always", "never"),
+    "train.remat": ("none", "full", "dots", "all_dots"),
 }
 _POSITIVE = ("data.seq_len", "data.batch_size", "train.num_steps", "train.grad_accum_steps",
              "train.log_every", "checkpoint.keep")
-_NON_NEGATIVE = ("data.max_docs", "train.eval_every", "optimizer.warmup_steps",
+_NON_NEGATIVE = ("data.max_docs", "train.eval_every", "train.logits_chunk", "optimizer.warmup_steps",
                  "optimizer.decay_steps", "optimizer.weight_decay", "optimizer.clip_norm",
                  "optimizer.learning_rate", "optimizer.end_lr_ratio", "distributed.num_processes")
 # Subtrees whose keys are not fixed by this schema (checked elsewhere).

@@ -96,6 +96,11 @@ def _axes_of(abstract_state) -> dict:
     return nnx.to_pure_dict(axes)
 
 
+def _abspath(path: str) -> str:
+    """Absolute local path; URLs (``gs://...``, what pods use) unchanged."""
+    return path if "://" in path else os.path.abspath(path)
+
+
 def _opt(value: int) -> Optional[int]:
     return value if value > 0 else None
 
@@ -253,7 +258,7 @@ def load_target(target_config: ModelConfig, workdir: str = "", *, step: int = -1
     if not workdir:
         model = Transformer(target_config, rngs=nnx.Rngs(params=seed))
         return graphdef, nnx.to_pure_dict(nnx.state(model))
-    directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    directory = os.path.join(_abspath(workdir), "checkpoints")
     return graphdef, restore_params(directory, abstract, None if step < 0 else step)
 
 
@@ -315,6 +320,28 @@ class DrafterTask:
     def init_frozen(self):
         return {"target": self.frozen_target()[1]}
 
+    def load_frozen(self, shardings):
+        """The frozen pytree placed with ``shardings`` (``{"target": ...}``, from the trainer).
+
+        A target checkpoint (``task.target_workdir``) is restored by Orbax directly into the
+        shardings: every host reads only its own shards, and no device or host ever holds the
+        whole target (what a pod needs for an 8B target on 16 GiB chips). A random target
+        (tests) is created on the host and placed.
+        """
+        t = self.task_config
+        if not t.target_workdir:
+            return jax.device_put(self.init_frozen(), shardings)
+        from specjax.training.checkpoint import abstract_with_shardings, restore_params
+        abstract = abstract_with_shardings(self._target_abstract, shardings["target"])
+        directory = os.path.join(_abspath(t.target_workdir), "checkpoints")
+        step = None if t.target_step < 0 else t.target_step
+        return {"target": restore_params(directory, abstract, step)}
+
+    def abstract_frozen(self):
+        """Shapes / dtypes of :meth:`init_frozen` without loading the target."""
+        return {"target": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                       self._target_abstract)}
+
     def frozen_logical_axes(self):
         return {"target": self._target_axes}
 
@@ -343,14 +370,23 @@ class DrafterTask:
         top, pos = jax.lax.top_k(score, a)
         return jnp.where(top >= 0, pos, -1).astype(jnp.int32)
 
-    def target_forward(self, frozen, batch):
-        """Frozen target on the batch: ``(logits [B, T, V], hidden [m, B, T, D] | None)``."""
+    def target_forward(self, frozen, batch, *, logits: bool = True):
+        """Frozen target on the batch: ``(logits [B, T, V], hidden [m, B, T, D] | None)``.
+
+        With ``logits=False`` the first result is the last block's output ``[B, T, D]`` (before
+        the final norm) instead: the caller applies the LM head only at the positions it needs
+        (:meth:`teacher_forced` with sampled anchors), and the ``[B, T, V]`` logits are never
+        computed (jit removes the unused head).
+        """
         target = nnx.merge(self.target_graphdef, frozen["target"])
+        layers = tuple(self.drafter.hidden_layers)
+        extra = () if logits else (self.target_config.num_layers,)
         out = target(batch["inputs"], positions=batch.get("positions"),
-                     segment_ids=batch.get("segment_ids"),
-                     hidden_layers=self.drafter.hidden_layers)
+                     segment_ids=batch.get("segment_ids"), hidden_layers=layers + extra)
         hidden = None if out.hidden is None else jax.lax.stop_gradient(out.hidden)
-        return jax.lax.stop_gradient(out.logits), hidden
+        if logits:
+            return jax.lax.stop_gradient(out.logits), hidden
+        return hidden[-1], (hidden[:-1] if layers else None)
 
     def teacher_forced(self, params, batch, rng, frozen):
         """Drafter and target sides of one batch: ``(logits [B,A,γ,V], conf_logits | None,
@@ -363,11 +399,18 @@ class DrafterTask:
             seg = (jnp.ones((b, t), jnp.int32) if mask_tok is None
                    else (mask_tok > 0).astype(jnp.int32))
         seg = seg.astype(jnp.int32)
-        t_logits, hidden = self.target_forward(frozen, batch)
         anchors = self.sample_anchors(rng, seg)
+        # With sampled anchors only B x A x γ positions need the target's distribution: gather
+        # the last hidden state there and apply the LM head to those rows only (the full
+        # [B, T, V] logits would dominate the step's memory at a 151k vocabulary). With every
+        # position as an anchor the logits are computed once per position and gathered.
+        t_out, hidden = self.target_forward(frozen, batch, logits=anchors is None)
         tf = self.drafter.teacher_forced(params, self.shared_head(frozen), tokens, hidden,
                                          gamma=self.gamma, anchors=anchors)
-        labels, tl, mask = teacher_forced_targets(tokens, t_logits, self.gamma, anchors)
+        labels, tl, mask = teacher_forced_targets(tokens, t_out, self.gamma, anchors)
+        if anchors is not None:
+            tl = jax.lax.stop_gradient(
+                nnx.merge(self.target_graphdef, frozen["target"]).lm_logits(tl))
         if anchors is None:
             anchors = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         rows = jnp.arange(b)[:, None, None]

@@ -35,9 +35,15 @@ class LMTask:
     of arrays for optax and Orbax; the (static) graph definition is kept on the task.
     """
 
-    def __init__(self, model_config: ModelConfig, *, z_loss: float = 0.0):
+    def __init__(self, model_config: ModelConfig, *, z_loss: float = 0.0, remat: str = "none",
+                 logits_chunk: int = 0):
+        from specjax.training.memory import REMAT_POLICIES
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
         self.model_config = model_config
         self.z_loss = float(z_loss)
+        self.remat = remat
+        self.logits_chunk = int(logits_chunk)
         abstract = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(params=0)))
         self.graphdef, abstract_state = nnx.split(abstract)
         axes = jax.tree.map(lambda v: tuple(v.logical_axes), abstract_state, is_leaf=_is_var)
@@ -60,9 +66,19 @@ class LMTask:
     def loss_fn(self, params, batch, rng, frozen):
         del rng, frozen  # deterministic model, nothing frozen
         model = self.model(params)
-        out = model(batch["inputs"], positions=batch.get("positions"),
-                    segment_ids=batch.get("segment_ids"))
-        return lm_loss(out.logits, batch["targets"], batch.get("loss_mask"), z_loss=self.z_loss)
+        if self.remat == "none" and self.logits_chunk <= 0:
+            out = model(batch["inputs"], positions=batch.get("positions"),
+                        segment_ids=batch.get("segment_ids"))
+            return lm_loss(out.logits, batch["targets"], batch.get("loss_mask"),
+                           z_loss=self.z_loss)
+        from specjax.training import memory
+        h = memory.hidden_states(model, batch["inputs"], positions=batch.get("positions"),
+                                 segment_ids=batch.get("segment_ids"), remat=self.remat)
+        if self.logits_chunk <= 0:
+            return lm_loss(model.lm_logits(h), batch["targets"], batch.get("loss_mask"),
+                           z_loss=self.z_loss)
+        return memory.chunked_lm_loss(model, h, batch["targets"], batch.get("loss_mask"),
+                                      chunk=self.logits_chunk, z_loss=self.z_loss)
 
     # -- helpers ---------------------------------------------------------------------------------
     def model(self, params) -> Transformer:
@@ -106,7 +122,8 @@ def _validate(task_config: dict) -> None:
 
 
 def _build(config: ml_collections.ConfigDict) -> LMTask:
-    return LMTask(model_config_from(config), z_loss=config.task.z_loss)
+    return LMTask(model_config_from(config), z_loss=config.task.z_loss,
+                  remat=config.train.remat, logits_chunk=config.train.logits_chunk)
 
 
 register_task("lm", _build, _defaults, _validate)

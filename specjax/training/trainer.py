@@ -73,6 +73,14 @@ def split_microbatches(x: jax.Array, num: int) -> jax.Array:
     return x.reshape((x.shape[0] // num, num) + x.shape[1:]).swapaxes(0, 1)
 
 
+def abstract_frozen(task: TrainTask) -> PyTree:
+    """Shapes and dtypes of ``task.init_frozen()`` without creating it: the task's own
+    ``abstract_frozen()`` when it has one (a drafter task's frozen target may be gigabytes),
+    else ``jax.eval_shape(task.init_frozen)``."""
+    fn = getattr(task, "abstract_frozen", None)
+    return fn() if fn is not None else jax.eval_shape(task.init_frozen)
+
+
 class Trainer:
     """Owns the mesh, shardings, optimizer, jitted functions, checkpoints and metric files.
 
@@ -112,10 +120,11 @@ class Trainer:
 
         self.abstract_state: TrainState = jax.eval_shape(self._init_fn, jax.random.PRNGKey(0))
         self.state_shardings: TrainState = self._state_shardings()
+        self.abstract_frozen = abstract_frozen(self.task)
         self.frozen_shardings = sharding_lib.tree_shardings(
-            jax.eval_shape(self.task.init_frozen), self.task.frozen_logical_axes(), self.mesh,
+            self.abstract_frozen, self.task.frozen_logical_axes(), self.mesh,
             on_indivisible=cfg.sharding.on_indivisible)
-        self.frozen = jax.device_put(self.task.init_frozen(), self.frozen_shardings)
+        self._frozen = None  # placed on first use (ahead-of-time compilation never needs it)
         self._batch_sharding = NamedSharding(
             self.mesh, sharding_lib.batch_sharding(self.mesh, 1).spec)
         replicated = sharding_lib.replicated(self.mesh)
@@ -142,6 +151,17 @@ class Trainer:
         self.first_step_seconds: Optional[float] = None
         self.train_seconds: Optional[float] = None
         self.eval_seconds: Optional[float] = None
+
+    @property
+    def frozen(self) -> PyTree:
+        """The task's frozen pytree, placed on the mesh once (on first use)."""
+        if self._frozen is None:
+            # A task may load its frozen pytree straight into the shardings (a large target
+            # restored shard by shard on every host) instead of building it on one host.
+            load = getattr(self.task, "load_frozen", None)
+            self._frozen = load(self.frozen_shardings) if load is not None else \
+                jax.device_put(self.task.init_frozen(), self.frozen_shardings)
+        return self._frozen
 
     # -- pure functions (traced) ----------------------------------------------------------------
     def _init_fn(self, key: jax.Array) -> TrainState:
@@ -181,14 +201,19 @@ class Trainer:
 
             shapes = jax.eval_shape(self._grads, state.params,
                                     jax.tree.map(lambda x: x[0], micro), step_rng, frozen)
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            # Accumulate in f32 whatever the parameter dtype (bf16 sums of many microbatches
+            # lose the small ones; and w * g is f32, so a bf16 carry would change type).
+            zeros = jax.tree.map(
+                lambda s: jnp.zeros(s.shape, jnp.float32 if jnp.issubdtype(s.dtype, jnp.floating)
+                                    else s.dtype), shapes)
             init = (zeros[0], zeros[1], zeros[2], zeros[3])
             (sum_loss, sum_metrics, sum_grads, weight), _ = jax.lax.scan(
                 body, init, (micro, jnp.arange(num_micro)))
             inv = 1.0 / jnp.maximum(weight, 1e-12)
             loss = sum_loss * inv
             metrics = jax.tree.map(lambda m: m * inv, sum_metrics)
-            grads = jax.tree.map(lambda g: (g * inv).astype(g.dtype), sum_grads)
+            grads = jax.tree.map(lambda g, p: (g * inv).astype(p.dtype), sum_grads,
+                                 state.params)
 
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

@@ -1,0 +1,86 @@
+"""Drafter training for a real Qwen3 target on a TPU slice (the pod job of docs/TPU.md).
+
+``arg`` = ``<target>,<drafter>[,<slice>]``:
+
+* ``<target>``: a model preset (``qwen3-0.6b``, ``qwen3-4b``, ``qwen3-8b``, ...), bf16 parameters;
+* ``<drafter>``: ``mtp`` (one MTP head chained γ = 3, Bebop's e2e-TV loss) or ``dspark`` (one
+  DSpark block with a Markov head and a confidence head, γ = 7, DSpark's loss);
+* ``<slice>``: ``v5e-8`` | ``v5e-256`` | ``v5p-64`` | ``v6e-16`` | any slice or topology name
+  (default ``v5p-64``). It sets the mesh (FSDP over every chip), the sequence length (4096, or
+  shorter where a 4096-token row does not fit one chip: :data:`SHORTER_SEQ`) and the microbatch:
+  every step trains on ``256 x 4096`` tokens (e.g. 1024 rows of 1024), in microbatches of one
+  row per chip (gradient accumulation).
+
+Pre-flight (compile for the slice on any machine, see docs/TPU.md)::
+
+    python -m experiments.tpu_plan --config experiments/configs/tpu_pod.py:qwen3-8b,mtp,v5p-64
+
+Launch on every host of the slice (``jax.distributed`` finds the pod by itself; paths on a
+directory every host mounts, e.g. a gcsfuse bucket)::
+
+    python -m experiments.train_drafter \\
+        --config experiments/configs/tpu_pod.py:qwen3-8b,mtp,v5p-64 \\
+        --config.task.target_workdir /gcs/BUCKET/qwen3-8b-specjax \\
+        --config.task.data_file /gcs/BUCKET/rows_4096.npz --workdir /gcs/BUCKET/runs/mtp-8b
+"""
+from specjax.aot.chips import num_chips
+from specjax.models import get_preset
+from specjax.training.config import default_config
+import specjax.training.drafter_task  # noqa: F401  (registers the "drafter" task)
+
+TOKENS_PER_STEP = 256 * 4096  # global batch, whatever the sequence length
+SEQ_LEN = 4096
+# Sequence length where 4096 does not fit one row per chip (HBM per chip: v5e 16 GiB, v6e
+# 32 GiB, v5p 95 GiB); measured by `python -m experiments.tpu_plan --table`, see docs/TPU.md.
+SHORTER_SEQ = {("v5e", "qwen3-8b"): 1024, ("v5e", "qwen3-4b"): 1024, ("v5e", "qwen3-0.6b"): 2048,
+               ("v6e", "qwen3-8b"): 2048, ("v6e", "qwen3-4b"): 2048, ("v6e", "qwen3-0.6b"): 2048}
+ROWS_PER_CHIP = 1  # microbatch rows per chip (more steps of gradient accumulation otherwise)
+
+
+def get_config(arg: str | None = None):
+    parts = [p for p in (arg or "qwen3-8b,mtp").split(",") if p]
+    if len(parts) not in (2, 3):
+        raise ValueError(f"tpu_pod: expected '<target>,<drafter>[,<slice>]', got {arg!r}")
+    target, drafter = parts[:2]
+    slice_name = parts[2] if len(parts) == 3 else "v5p-64"
+    chips = num_chips(slice_name)
+    gen = slice_name.split(":")[0].split("-")[0]
+    seq = SHORTER_SEQ.get((gen, target), SEQ_LEN)
+
+    c = default_config("drafter")
+    c.model.preset = target
+    c.model.overrides.param_dtype = "bfloat16"  # the frozen target is served / read in bf16
+    c.data.seq_len = seq
+    c.data.batch_size = max(TOKENS_PER_STEP // seq, chips * ROWS_PER_CHIP)
+    c.data.eval_batches = 0
+    c.train.grad_accum_steps = max(1, c.data.batch_size // (chips * ROWS_PER_CHIP))
+    c.train.num_steps = 20000
+    c.train.log_every = 50
+    c.optimizer.learning_rate = 3e-4
+    c.optimizer.warmup_steps = 500
+    c.optimizer.weight_decay = 0.01
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
+    c.checkpoint.every = 1000
+    c.checkpoint.keep = 3
+    c.distributed.initialize = "always"  # TPU pods: jax.distributed finds its peers
+
+    t = c.task
+    if drafter == "mtp":
+        t.drafter, t.loss, t.gamma = "mtp", "e2e_tv", 3
+        t.mtp.num_heads = 1
+        t.mtp.shared = True
+        t.anchors_per_row = 256
+    elif drafter == "dspark":
+        t.drafter, t.loss, t.gamma = "dspark", "dspark", 7
+        t.dspark.head = "markov"
+        t.dspark.confidence = True
+        t.dspark.num_layers = 1
+        t.dspark.rank = 64
+        layers = get_preset(target).num_layers  # context features from three depths
+        t.dspark.target_layers = ",".join(str(x) for x in (layers // 4, layers // 2,
+                                                            3 * layers // 4))
+        t.anchors_per_row = 128
+        t.position_weights = "exp"
+    else:
+        raise ValueError(f"tpu_pod: unknown drafter {drafter!r} (mtp | dspark)")
+    return c

@@ -1,0 +1,199 @@
+r"""TPU pre-flight: compile a training config's programs for a TPU topology, on any machine.
+
+Per compiled program it writes per-chip memory (arguments, outputs, temporaries, against the chip's
+HBM), FLOPs and bytes, a roofline step time and, for training, an MFU estimate (see
+:mod:`specjax.aot.compile` for what each number means), as JSON and a markdown table::
+
+    python -m experiments.tpu_plan --config experiments/configs/tpu_pod.py:qwen3-8b,mtp,v5p-64 \
+        --topology v5p-64 --out plan
+    python -m experiments.tpu_plan --config experiments/configs/pretrain_target.py \
+        --config.model.preset qwen3-0.6b --topology v5e:2x2 --programs train
+
+``--programs`` picks from ``train`` (the config's train step: LM or drafter), ``engine`` (the serving
+engine's draft / verification / prefill steps for the config's target and drafter,
+tensor-parallel over ``gcd(chips, KV heads)`` chips, replicated over the rest) and ``rejection``
+(the Pallas rejection sampler). ``--fit`` halves the sequence of a train step that does not fit
+until one does (at most ``--fit_tries`` times) and reports every attempt.
+
+``--table`` compiles the documented grid instead (Qwen3-0.6B / 4B / 8B targets x MTP / DSpark
+drafters x v5e-8 / v5e-256 / v5p-64 / v6e-16, configs of ``experiments/configs/tpu_pod.py``), the
+table of docs/TPU.md.
+
+Needs libtpu (``make libtpu``); the compilation runs on the CPU.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+# The compiler runs on the CPU: never let JAX try to start a TPU backend with the libtpu that
+# specjax.aot points TPU_LIBRARY_PATH at.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file[:arg].",
+                                          lock_config=True)
+_TOPOLOGY = flags.DEFINE_string("topology", "v5p-64", "Topology (v5p:4x4x4) or slice (v5e-8).")
+_PROGRAMS = flags.DEFINE_list("programs", ["train"], "train, engine, rejection.")
+_OUT = flags.DEFINE_string("out", "tpu_plan", "Output directory (plan.json, plan.md).")
+_FIT = flags.DEFINE_bool("fit", False, "Halve the sequence of a train step until it fits.")
+_FIT_TRIES = flags.DEFINE_integer("fit_tries", 2, "Most halvings with --fit.")
+_TABLE = flags.DEFINE_bool("table", False, "Compile the docs/TPU.md grid (ignores --config).")
+_SLOTS = flags.DEFINE_integer("engine_slots", 64, "Engine slots S.")
+_MAX_LEN = flags.DEFINE_integer("engine_max_len", 4096, "Engine cache length per slot.")
+
+TABLE_TARGETS = ("qwen3-0.6b", "qwen3-4b", "qwen3-8b")
+TABLE_DRAFTERS = ("mtp", "dspark")
+TABLE_SLICES = ("v5p-64", "v6e-16", "v5e-8", "v5e-256")
+
+
+def _gib(x) -> str:
+    return f"{x / 2**30:.1f}"
+
+
+def markdown(rows: list[dict]) -> str:
+    """One line per compiled program (the columns of docs/TPU.md)."""
+    head = ("| program | model | topology (devices) | mesh | batch x seq (accum) | args GiB | "
+            "temps GiB | used / HBM GiB | fits | TFLOP/chip | GB/chip | roofline s | bound | "
+            "MFU | compile s |")
+    lines = [head, "|" + "---|" * 15]
+    for r in rows:
+        s = r["shapes"]
+        mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items() if v > 1) or "1"
+        if "seq" in s:
+            shape = f"{s['batch']} x {s['seq']}" + (f" ({s['grad_accum']})"
+                                                    if s.get("grad_accum", 1) > 1 else "")
+        elif "bucket" in s:
+            shape = f"{s['slots']} slots, N={s['bucket']}"
+        elif "chunk" in s:
+            shape = f"{s['slots']} x {s['chunk']}"
+        elif "vocab" in s:
+            shape = f"B={s['batch']} K={s['gamma']} V={s['vocab']}"
+        else:
+            shape = f"{s.get('slots', '')} slots"
+        mfu = "" if r.get("mfu") is None else f"{100 * r['mfu']:.0f}%"
+        fits = "yes" if r["fits"] else ("no" if r["compiled"] else "no (refused)")
+        lines.append(
+            f"| {r['name']} | {s.get('model', '')} | {r['topology']} ({r['num_devices']}) | {mesh} "
+            f"| {shape} | {_gib(r['argument_bytes'])} | {_gib(r['temp_bytes'])} | "
+            f"{_gib(r['used_bytes'])} / {_gib(r['hbm_bytes'])} | {fits} | "
+            f"{r['flops'] / 1e12:.2f} | {r['bytes_accessed'] / 1e9:.1f} | "
+            f"{r['roofline_seconds']:.3g} | {r['bound']} | {mfu} | {r['compile_seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _train_reports(config, topology: str, fit: bool, tries: int) -> list:
+    from specjax import aot
+    reports = []
+    cfg = config
+    for attempt in range(tries + 1 if fit else 1):
+        mesh = aot.topology_mesh(topology, cfg.mesh.to_dict())
+        report = aot.compile_program(aot.train_step(cfg, mesh), mesh, topology)
+        report.shapes["model"] = cfg.model.preset
+        reports.append(report)
+        print(f"  {report.name} {cfg.model.preset} {cfg.data.batch_size}x{cfg.data.seq_len}: "
+              f"{'fits' if report.fits else 'does NOT fit'} "
+              f"({report.used_bytes / 2**30:.1f} of {report.hbm_bytes / 2**30:.1f} GiB) "
+              f"[{report.compile_seconds:.0f}s]", flush=True)
+        if report.fits or cfg.data.seq_len <= 256:
+            break
+        cfg = cfg.copy_and_resolve_references()
+        cfg.unlock()
+        cfg.data.seq_len //= 2
+        cfg.lock()
+    return reports
+
+
+def plan(config, topology: str, programs, *, fit=False, tries=2, slots=64, max_len=4096) -> list:
+    """Compiles the requested programs of ``config`` for ``topology``; returns report dicts."""
+    from specjax import aot
+    from specjax.training.lm_task import model_config_from
+    reports = []
+    if "train" in programs:
+        reports += _train_reports(config, topology, fit, tries)
+    target = model_config_from(config)
+    if "engine" in programs:
+        if config.task.name != "drafter":
+            raise ValueError("--programs engine needs a drafter config (config.task.name)")
+        n = len(aot.topology_devices(topology))
+        tp = math.gcd(n, target.num_kv_heads)
+        mesh = aot.topology_mesh(topology, {"data": n // tp, "fsdp": 1, "tensor": tp})
+        gamma = config.task.gamma
+        shapes = aot.EngineShapes(num_slots=slots, max_len=max_len, gamma=gamma,
+                                  buckets=(slots, slots * (gamma + 1)), prefill_chunk=256)
+        for p in aot.engine_steps(target, config.task, mesh, shapes):
+            p.shapes["model"] = config.model.preset
+            reports.append(aot.compile_program(p, mesh, topology))
+    if "rejection" in programs:
+        n = len(aot.topology_devices(topology))
+        mesh = aot.topology_mesh(topology, {"data": -1})
+        gamma = config.task.gamma if config.task.name == "drafter" else 4
+        p = aot.rejection_kernel(mesh, batch=n * max(1, slots // n), gamma=gamma,
+                                 vocab=target.vocab_size)
+        reports.append(aot.compile_program(p, mesh, topology))
+    return [r.to_dict() for r in reports]
+
+
+def table(out: str) -> list:
+    """The docs/TPU.md grid (see the module docstring); rewrites ``out/table.*`` after each row."""
+    from experiments.configs.tpu_pod import get_config
+    rows, errors = [], []
+    os.makedirs(out, exist_ok=True)
+    for slice_name in TABLE_SLICES:
+        for target in reversed(TABLE_TARGETS):
+            for drafter in TABLE_DRAFTERS:
+                config = get_config(f"{target},{drafter},{slice_name}")
+                try:
+                    rows += plan(config, slice_name, ["train"], fit=True, tries=2)
+                except Exception as e:  # noqa: BLE001 - record it, compile the other rows
+                    errors.append({"target": target, "drafter": drafter, "slice": slice_name,
+                                   "error": f"{type(e).__name__}: {e}"[:2000]})
+                    print(f"  ERROR {target} {drafter} {slice_name}: {errors[-1]['error'][:300]}")
+                    with open(os.path.join(out, "table_errors.json"), "w") as f:
+                        json.dump(errors, f, indent=1)
+                _write(rows, out, "table")
+    return rows
+
+
+def _write(rows: list, out: str, stem: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
+        json.dump(rows, f, indent=1, sort_keys=True)
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
+        f.write(markdown(rows))
+    print(f"wrote {out}/{stem}.json and {stem}.md")
+
+
+def main(argv) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from specjax.aot import LibtpuMissing
+    start = time.time()
+    try:
+        if _TABLE.value:
+            rows = table(_OUT.value)
+            stem = "table"
+        else:
+            if _CONFIG.value is None:
+                raise app.UsageError("--config is required (or --table)")
+            bad = set(_PROGRAMS.value) - {"train", "engine", "rejection"}
+            if bad:
+                raise app.UsageError(f"unknown --programs {sorted(bad)}")
+            rows = plan(_CONFIG.value, _TOPOLOGY.value, _PROGRAMS.value, fit=_FIT.value,
+                        tries=_FIT_TRIES.value, slots=_SLOTS.value, max_len=_MAX_LEN.value)
+            stem = "plan"
+    except LibtpuMissing as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    _write(rows, _OUT.value, stem)
+    print(markdown(rows))
+    print(f"total {time.time() - start:.0f}s")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,93 @@
+"""Per-chip TPU figures for rooflines and HBM budgets, and the product names of slices.
+
+Public specification numbers, per chip (Google Cloud TPU documentation, "System architecture"
+pages of TPU v4, v5e, v5p and v6e (Trillium)):
+
+======  ======================  ===============  ==============
+chip    peak bf16 (TFLOP/s)     HBM bandwidth    HBM capacity
+======  ======================  ===============  ==============
+v4      275                     1,200 GB/s       32 GiB
+v5e     197                     819 GB/s         16 GiB
+v5p     459                     2,765 GB/s       95 GiB
+v6e     918                     1,640 GB/s       32 GiB
+======  ======================  ===============  ==============
+
+These are peak figures: a roofline step time computed from them is a lower bound on the real one
+(no kernel reaches peak FLOP/s and peak bandwidth, and collectives are not in it).
+
+Slice names. ``v5e-N`` and ``v6e-N`` count chips (one TensorCore each); ``v4-N`` and ``v5p-N`` count
+TensorCores, two per chip, so ``v5p-64`` is 32 chips (topology ``v5p:2x4x4``) and ``v5p-128`` is the
+``v5p:4x4x4`` cube. :func:`topology_name` maps a product name to the topology string that
+``jax.experimental.topologies.get_topology_desc`` takes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipSpec:
+    """One TPU chip generation.
+
+    name: "v5e", ...; device_kind: what ``jax.Device.device_kind`` says for it.
+    peak_bf16_flops: FLOP/s; hbm_bandwidth: bytes/s; hbm_bytes: bytes (all per chip).
+    """
+
+    name: str
+    device_kind: str
+    peak_bf16_flops: float
+    hbm_bandwidth: float
+    hbm_bytes: int
+
+
+CHIPS: dict[str, ChipSpec] = {
+    "v4": ChipSpec("v4", "TPU v4", 275e12, 1200e9, 32 * GIB),
+    "v5e": ChipSpec("v5e", "TPU v5 lite", 197e12, 819e9, 16 * GIB),
+    "v5p": ChipSpec("v5p", "TPU v5", 459e12, 2765e9, 95 * GIB),
+    "v6e": ChipSpec("v6e", "TPU v6 lite", 918e12, 1640e9, 32 * GIB),
+}
+
+# Topologies of common slices (product name -> topology string).
+_SQUARE = {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+_CUBE = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
+         256: "4x8x8", 512: "8x8x8"}
+
+
+def topology_name(name: str) -> str:
+    """``"v5e-8" -> "v5e:2x4"``, ``"v5p-64" -> "v5p:2x4x4"``; a topology string is returned as is.
+
+    Raises:
+      ValueError for an unknown generation or a slice size without a standard topology.
+    """
+    if ":" in name:
+        chip_of(name)
+        return name
+    m = re.fullmatch(r"(v4|v5e|v5p|v6e)-(\d+)", name)
+    if not m:
+        raise ValueError(f"unknown TPU slice {name!r}: want e.g. 'v5e-8', 'v5p-64' or a topology "
+                         f"such as 'v5p:4x4x4'")
+    gen, n = m.group(1), int(m.group(2))
+    chips = n // 2 if gen in ("v4", "v5p") else n
+    table = _CUBE if gen in ("v4", "v5p") else _SQUARE
+    if chips not in table or (gen in ("v4", "v5p") and n % 2):
+        raise ValueError(f"{name!r}: no standard topology for {chips} {gen} chips; pass a "
+                         f"topology string such as '{gen}:{next(iter(table.values()))}'")
+    return f"{gen}:{table[chips]}"
+
+
+def chip_of(topology: str) -> ChipSpec:
+    """The :class:`ChipSpec` of a topology string (``"v5e:2x2"``) or slice name (``"v5e-8"``)."""
+    gen = re.split(r"[:\-]", topology, maxsplit=1)[0]
+    if gen not in CHIPS:
+        raise ValueError(f"unknown TPU generation {gen!r} in {topology!r}; known: {sorted(CHIPS)}")
+    return CHIPS[gen]
+
+
+def num_chips(topology: str) -> int:
+    """Chips in a topology string (``"v5p:2x4x4" -> 32``)."""
+    dims = topology_name(topology).split(":", 1)[1]
+    return math.prod(int(x) for x in dims.split("x"))

@@ -1,0 +1,66 @@
+"""Finding libtpu for ahead-of-time compilation on a machine without a TPU.
+
+libtpu holds the TPU compiler. Installed as a Python package it makes every ``import jax`` on a
+CPU-only machine try (and fail, noisily) to initialise a TPU, so specjax keeps it *off* the import
+path: ``make install`` puts it in ``.venv/libtpu`` with ``pip install --target``, and
+:func:`ensure_libtpu` points ``TPU_LIBRARY_PATH`` at its ``libtpu.so`` the first time ahead-of-time
+code asks for a TPU topology. Ordinary runs never load it.
+
+This works in a process where JAX is already running on CPU (e.g. under pytest with
+``JAX_PLATFORMS=cpu``): ``jax.experimental.topologies.get_topology_desc`` loads the library on its
+own, without creating a TPU backend, so everything else in the process stays on the CPU.
+
+Search order for the library: ``$TPU_LIBRARY_PATH``, ``$SPECJAX_LIBTPU``, then
+``<prefix>/libtpu/libtpu/libtpu.so`` for the running interpreter's ``sys.prefix`` (the venv that
+``make install`` created) and the repository's ``.venv``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_RELATIVE = os.path.join("libtpu", "libtpu", "libtpu.so")
+
+
+class LibtpuMissing(RuntimeError):
+    """No libtpu found: ahead-of-time TPU compilation is impossible on this machine."""
+
+
+def libtpu_path() -> Optional[str]:
+    """Path of ``libtpu.so`` (see the module docstring for the search order), or ``None``."""
+    for var in ("TPU_LIBRARY_PATH", "SPECJAX_LIBTPU"):
+        path = os.environ.get(var)
+        if path and os.path.isfile(path):
+            return path
+    for prefix in (sys.prefix, os.path.join(REPO_ROOT, ".venv")):
+        path = os.path.join(prefix, _RELATIVE)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def ensure_libtpu() -> str:
+    """Sets the environment libtpu reads (once) and returns the library's path.
+
+    ``TPU_ACCELERATOR_TYPE`` and ``TPU_WORKER_HOSTNAMES`` are set only if unset: without them
+    libtpu probes the (absent) TPU host metadata and logs errors. ``ALLOW_MULTIPLE_LIBTPU_LOAD``
+    lets several processes compile at once.
+
+    Raises:
+      LibtpuMissing with the install command.
+    """
+    path = libtpu_path()
+    if path is None:
+        raise LibtpuMissing(
+            "libtpu not found; `make install` puts it in .venv/libtpu, or run "
+            "`pip install --target .venv/libtpu 'libtpu==<the version jax pins>'` and/or set "
+            "TPU_LIBRARY_PATH=<dir>/libtpu/libtpu.so")
+    os.environ["TPU_LIBRARY_PATH"] = path
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # libtpu takes a machine-wide lock file on load; compiling touches no TPU, so several
+    # processes (pytest workers, a pre-flight next to a test run) may load it at once.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    return path

@@ -1,0 +1,252 @@
+"""The programs specjax runs on a TPU, built from abstract sharded inputs for :func:`compile_report`.
+
+* :func:`train_step` — the trainer's own jitted step (:class:`specjax.training.Trainer`, LM
+  pretraining or drafter training with the frozen target sharded by the same logical rules),
+  lowered from the trainer's abstract state: nothing is allocated, the target is never loaded.
+* :func:`engine_steps` — the serving engine's device steps (draft, flattened verification per
+  token bucket, prefill), tensor-parallel: target weights by the logical rules over the mesh's
+  ``tensor`` axis, the KV cache ``[L, S, max_len, KVH, Dh]`` over its KV heads.
+* :func:`rejection_kernel` — the Pallas rejection sampler (``backend="mosaic_tpu"``) under
+  ``shard_map``, rows split over every device.
+
+Each returns :class:`Program` objects; :func:`specjax.aot.compile_report` compiles them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from specjax.aot.compile import abstract, replicated_like
+from specjax.models import ModelConfig, Transformer
+from specjax.training import sharding as sharding_lib
+
+
+@dataclasses.dataclass
+class Program:
+    """One program to compile: ``lower() -> jax.stages.Lowered`` plus what to report with it."""
+
+    name: str
+    lower: Callable[[], Any]
+    shapes: dict
+    model_flops: Optional[float] = None
+    notes: dict = dataclasses.field(default_factory=dict)
+    loop_multiplier: int = 1
+
+
+# ------------------------------------------------------------------------------------------------
+# FLOP counts (PaLM appendix B: 6 N per trained token + 12 L H Dh T for attention)
+# ------------------------------------------------------------------------------------------------
+def matmul_params(c: ModelConfig) -> int:
+    """Parameters that multiply activations per token: blocks + the LM head (not the lookup)."""
+    attn = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+    return c.num_layers * (attn + 3 * c.hidden_size * c.intermediate_size) + \
+        c.vocab_size * c.hidden_size
+
+
+def forward_flops_per_token(c: ModelConfig, context: int) -> float:
+    """Forward FLOPs of one token attending to ``context`` positions."""
+    return 2 * matmul_params(c) + 4 * c.num_layers * c.num_heads * c.head_dim * context
+
+
+def _count(tree) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
+
+
+# ------------------------------------------------------------------------------------------------
+# training steps
+# ------------------------------------------------------------------------------------------------
+def abstract_batch(config: ml_collections.ConfigDict) -> dict:
+    """The trainer's batch ``{inputs, targets, loss_mask, positions, segment_ids}`` as structs."""
+    b, t = config.data.batch_size, config.data.seq_len
+    keys = ["inputs", "targets", "loss_mask", "positions", "segment_ids"]
+    if config.task.name == "drafter" and config.task.warm_start_loss:
+        keys.append("loss_phase")
+    return {k: jax.ShapeDtypeStruct((b, t), jnp.int32) for k in keys}
+
+
+def train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> Program:
+    """The trainer's donated train step for ``config`` on ``mesh`` (see the module docstring)."""
+    from specjax.training.trainer import Trainer
+
+    trainer = Trainer(config, mesh=mesh)
+    cfg = trainer.config
+    batch = abstract_batch(cfg)
+    b, t = cfg.data.batch_size, cfg.data.seq_len
+    target = trainer.task.target_config if cfg.task.name == "drafter" else \
+        trainer.task.model_config
+    shapes = {"batch": b, "seq": t, "model": cfg.model.preset, "remat": cfg.train.remat,
+              "logits_chunk": cfg.train.logits_chunk, "grad_accum": cfg.train.grad_accum_steps}
+    if cfg.task.name == "lm":
+        flops = 3 * forward_flops_per_token(target, t) * b * t
+        name = "train_step"
+    else:
+        task = trainer.task
+        a = cfg.task.anchors_per_row or t
+        drafted = b * a * task.gamma
+        d_params = _count(task.abstract_params)
+        head = target.vocab_size * target.hidden_size
+        # frozen target forward + its head at the drafted rows; drafter forward + backward;
+        # the drafter's frozen shared head: forward + input gradient.
+        flops = (forward_flops_per_token(target, t) - 2 * head) * b * t + 2 * head * drafted \
+            + 6 * d_params * drafted + 4 * head * drafted
+        name = f"drafter_step[{cfg.task.drafter}:{cfg.task.loss}]"
+        shapes.update(drafter=cfg.task.drafter, loss=cfg.task.loss, gamma=task.gamma,
+                      anchors_per_row=cfg.task.anchors_per_row)
+    return Program(
+        name=name, shapes=shapes, model_flops=float(flops),
+        loop_multiplier=cfg.train.grad_accum_steps,
+        lower=lambda: trainer._step.lower(trainer.abstract_state, batch, trainer.abstract_frozen))
+
+
+# ------------------------------------------------------------------------------------------------
+# engine device steps (an adapter over specjax.engine.steps: re-point here when they change)
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class EngineShapes:
+    """Static shapes of the engine's compiled steps."""
+
+    num_slots: int = 8
+    max_len: int = 512
+    gamma: int = 4
+    buckets: Sequence[int] = (8, 40)
+    prefill_chunk: int = 64
+
+
+def _engine_device_fns():
+    """The engine's jitted device steps (one place to change when the engine's steps move)."""
+    from specjax.engine import steps
+    return steps.draft_step, steps.verify_step, steps.prefill_step
+
+
+def engine_steps(target_config: ModelConfig, task_config: ml_collections.ConfigDict, mesh: Mesh,
+                 shapes: EngineShapes = EngineShapes(), *,
+                 on_indivisible: str = "replicate") -> list[Program]:
+    """Draft, verification (one per bucket) and prefill steps, tensor-parallel over ``mesh``.
+
+    Args:
+      target_config: the target's architecture.
+      task_config: a drafter task's ``config.task`` (which drafter, γ is taken from ``shapes``).
+      mesh: typically ``{"tensor": -1}`` (serving shards weights, not the batch).
+      on_indivisible: dimensions not divisible by their mesh axes (e.g. 2 KV heads on a 4-way
+        tensor axis) are replicated by default.
+    """
+    from specjax.drafters import shared_head
+    from specjax.drafters.base import Observation, Sampling  # noqa: F401  (pytree types)
+    from specjax.engine.steps import DeviceState
+    from specjax.models.kv_cache import init_cache
+    from specjax.training.drafter_task import build_drafter, _axes_of
+
+    draft_fn, verify_fn, prefill_fn = _engine_device_fns()
+    s, max_len, gamma = shapes.num_slots, shapes.max_len, shapes.gamma
+    rules = dict(on_indivisible=on_indivisible)
+    spec = lambda names, shape: NamedSharding(mesh, sharding_lib.logical_to_spec(
+        names, shape, mesh, **rules))
+
+    # target: graphdef + abstract state sharded by the logical rules
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(target_config,
+                                                                   rngs=nnx.Rngs(params=0))))
+    t_axes = _axes_of(state)
+    t_pure = nnx.to_pure_dict(state)
+    t_abs = abstract(t_pure, sharding_lib.tree_shardings(t_pure, t_axes, mesh, **rules))
+    # drafter: params by their logical axes; the shared head (frozen) by its own
+    drafter, factory = build_drafter(task_config, target_config)
+    d_state = nnx.state(nnx.eval_shape(lambda: factory(nnx.Rngs(params=0))))
+    d_pure = nnx.to_pure_dict(d_state)
+    d_abs = abstract(d_pure, sharding_lib.tree_shardings(d_pure, _axes_of(d_state), mesh, **rules))
+    frozen = None
+    if task_config.drafter != "draft_lm":
+        head = jax.eval_shape(lambda p: shared_head((graphdef, p)), t_pure)
+        frozen = abstract(head, jax.tree.map(
+            lambda x, names: spec(names, x.shape), head, head.logical_axes(),
+            is_leaf=lambda x: isinstance(x, tuple)))
+    # device state: KV cache over KV heads; drafter state and anchors replicated
+    cache = jax.eval_shape(lambda: init_cache(target_config, s, max_len))
+    kv = spec((None, None, None, "kv_heads", None), cache.k.shape)
+    cache = abstract(cache, type(cache)(k=kv, v=kv, lengths=NamedSharding(mesh, PartitionSpec())))
+    dstate = replicated_like(jax.eval_shape(lambda: drafter.init_state(s, max_len, gamma)), mesh)
+    state_abs = DeviceState(cache=cache, drafter_state=dstate,
+                            anchor=replicated_like(jax.ShapeDtypeStruct((s,), jnp.int32), mesh))
+    rep = lambda shape, dtype: replicated_like(jax.ShapeDtypeStruct(shape, dtype), mesh)
+    keys = replicated_like(jax.eval_shape(lambda: jax.random.split(jax.random.key(0), s)), mesh)
+    key = replicated_like(jax.eval_shape(lambda: jax.random.key(0)), mesh)
+    sampling = Sampling(temperature=rep((s,), jnp.float32))
+    v = target_config.vocab_size
+
+    common = {"slots": s, "max_len": max_len, "gamma": gamma, "model": "target"}
+    programs = [Program(
+        name="engine.draft", shapes=dict(common),
+        lower=lambda: draft_fn.lower(drafter, d_abs, frozen, dstate, key, sampling, gamma=gamma,
+                                     argmax=False))]
+    ctx = max_len // 2  # attention FLOPs at a half-full cache
+    for bucket in shapes.buckets:
+        programs.append(Program(
+            name=f"engine.verify[N={bucket}]", shapes=dict(common, bucket=bucket),
+            model_flops=float(forward_flops_per_token(target_config, ctx) * bucket),
+            lower=lambda bucket=bucket: verify_fn.lower(
+                graphdef, t_abs, drafter, d_abs, frozen, state_abs,
+                rep((s, gamma), jnp.int32), rep((s, gamma, v), jnp.float32),
+                rep((s,), jnp.int32), keys, sampling, bucket=bucket, gamma=gamma,
+                method="rejection")))
+    c = shapes.prefill_chunk
+    programs.append(Program(
+        name=f"engine.prefill[C={c}]", shapes=dict(common, chunk=c),
+        model_flops=float(forward_flops_per_token(target_config, ctx) * s * c),
+        lower=lambda: prefill_fn.lower(
+            graphdef, t_abs, drafter, d_abs, frozen, state_abs, rep((s, c), jnp.int32),
+            rep((s,), jnp.int32), rep((s,), jnp.bool_), rep((s,), jnp.int32),
+            rep((s,), jnp.bool_), keys, sampling, max_len=max_len, gamma=gamma)))
+    return programs
+
+
+# ------------------------------------------------------------------------------------------------
+# the Pallas rejection sampler
+# ------------------------------------------------------------------------------------------------
+def rejection_kernel(mesh: Mesh, *, batch: int, gamma: int, vocab: int,
+                     backend: str = "mosaic_tpu", tiles=None, row_major: bool = True) -> Program:
+    """``rejection_sample_pallas`` with rows split over every mesh device by ``shard_map``.
+
+    ``notes["pq_bytes"]`` is one read of this device's ``p`` and ``q`` (what a verifier that looks
+    at every probability must read), to compare with the compiled ``bytes_accessed``.
+
+    ``row_major``: the inputs arrive in row-major layout, as the kernel reads them. Inside a
+    program (the engine's verification step) the producers of ``p`` and ``q`` write whatever layout
+    their consumer asks for; only a jit *parameter* has a fixed default layout, and TPU's default
+    for ``[B, K+1, V]`` with ``K + 1`` not a multiple of 8 puts ``K + 1`` outermost, which would add
+    a copy of ``p`` that the step itself does not have. ``False`` measures that default.
+    """
+    from pallas_kernels.rejection_sampling import rejection_sample_pallas
+
+    axes = tuple(mesh.axis_names)
+    n = mesh.devices.size
+    if batch % n:
+        raise ValueError(f"batch {batch} must be a multiple of the {n} devices")
+    rows = NamedSharding(mesh, PartitionSpec(axes))
+    st = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
+    args = (st((batch, gamma), jnp.int32), st((batch, gamma, vocab), jnp.float32),
+            st((batch, gamma + 1, vocab), jnp.float32), st((batch, gamma), jnp.float32),
+            st((batch, vocab), jnp.float32), st((batch,), jnp.int32))
+
+    def per_shard(*a):
+        out = rejection_sample_pallas(*a, backend=backend, tiles=tiles)
+        return out.tokens, out.num_accepted
+
+    in_shardings = None
+    if row_major:
+        from jax.experimental.layout import Format, Layout
+        in_shardings = tuple(Format(Layout(major_to_minor=tuple(range(len(a.shape)))), rows)
+                             for a in args)
+    fn = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(PartitionSpec(axes),) * 6,
+                               out_specs=(PartitionSpec(axes), PartitionSpec(axes)),
+                               check_vma=False), in_shardings=in_shardings)
+    pq = (batch // n) * (2 * gamma + 1) * vocab * 4
+    return Program(name=f"rejection[{backend}]",
+                   shapes={"batch": batch, "gamma": gamma, "vocab": vocab,
+                           "row_major": row_major},
+                   notes={"pq_bytes": pq}, lower=lambda: fn.lower(*args))

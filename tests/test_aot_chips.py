@@ -1,0 +1,39 @@
+"""Slice names, chip figures and the compiler's out-of-memory message (no libtpu needed)."""
+import pytest
+
+from specjax.aot import chips
+from specjax.aot.compile import parse_oom
+
+
+@pytest.mark.parametrize("name,topology,n", [
+    ("v5e-8", "v5e:2x4", 8), ("v5e-256", "v5e:16x16", 256), ("v6e-16", "v6e:4x4", 16),
+    # v5p / v4 slice names count TensorCores, two per chip
+    ("v5p-64", "v5p:2x4x4", 32), ("v5p-128", "v5p:4x4x4", 64), ("v5p:4x4x4", "v5p:4x4x4", 64),
+])
+def test_slice_names(name, topology, n):
+    assert chips.topology_name(name) == topology
+    assert chips.num_chips(name) == n
+
+
+def test_bad_slice_names_are_refused():
+    with pytest.raises(ValueError, match="unknown TPU"):
+        chips.topology_name("v9-8")
+    with pytest.raises(ValueError, match="no standard topology"):
+        chips.topology_name("v5e-12")
+
+
+def test_chip_table_orders():
+    c = chips.CHIPS
+    assert c["v5e"].hbm_bytes == 16 * chips.GIB and c["v5p"].hbm_bytes == 95 * chips.GIB
+    # ridge points (FLOP per byte at which a chip turns compute-bound) of the public figures
+    ridge = {k: v.peak_bf16_flops / v.hbm_bandwidth for k, v in c.items()}
+    assert 150 < ridge["v5p"] < ridge["v5e"] < ridge["v6e"]
+
+
+def test_parse_oom_messages():
+    assert parse_oom("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required "
+                     "for HLO temporaries (23.33G) exceeds available HBM (15.75G).") == (
+        int(23.33 * 2**30), int(15.75 * 2**30))
+    assert parse_oom("... Used 111.6G of 15.75G hbm. Exceeded hbm capacity by 95.8G.") == (
+        int(111.6 * 2**30), int(15.75 * 2**30))
+    assert parse_oom("INTERNAL: something else") is None

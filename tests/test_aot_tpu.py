@@ -1,0 +1,109 @@
+"""Ahead-of-time compilation for a real TPU topology ("v5e:2x2", 4 chips) on the CPU.
+
+Every program specjax runs on a TPU must pass the TPU compiler: the train step, the drafter train
+steps (MTP + e2e-TV, DSpark), the engine's device steps and the Pallas rejection sampler. A config
+too large for the chip must come back as "does not fit" with the compiler's numbers.
+
+Needs libtpu (``make test`` installs it into ``.venv/libtpu``); without it these tests skip.
+"""
+import pytest
+
+from specjax import aot
+
+pytestmark = [
+    pytest.mark.skipif(aot.libtpu_path() is None,
+                       reason="libtpu not installed (`make libtpu` puts it in .venv/libtpu)"),
+    pytest.mark.xdist_group("aot_tpu"),
+]
+
+TOPOLOGY = "v5e:2x2"
+
+
+def _train_config(task="lm", **data):
+    from specjax.training.config import default_config
+    c = default_config(task)
+    c.model.preset = "tiny"
+    c.data.batch_size = data.get("batch_size", 8)
+    c.data.seq_len = data.get("seq_len", 64)
+    return c
+
+
+def _compile(program, mesh):
+    report = aot.compile_program(program, mesh, TOPOLOGY)
+    assert report.compiled, report.error
+    assert report.flops > 0 and report.bytes_accessed > 0
+    assert 0 < report.used_bytes <= report.hbm_bytes
+    assert report.roofline_seconds > 0
+    return report
+
+
+def test_topology_is_a_real_tpu():
+    devices = aot.topology_devices(TOPOLOGY)
+    assert len(devices) == 4
+    assert devices[0].platform == "tpu" and devices[0].device_kind == "TPU v5 lite"
+
+
+def test_lm_train_step_compiles_and_fits():
+    c = _train_config()
+    mesh = aot.topology_mesh(TOPOLOGY, c.mesh.to_dict())
+    r = _compile(aot.train_step(c, mesh), mesh)
+    assert r.fits and r.mesh == {"data": 1, "fsdp": 4, "tensor": 1}
+    # the donated state is aliased to the new state
+    assert r.alias_bytes > 0
+    # the compiler's FLOPs include the model's (6 N per token) on this device's quarter of rows
+    assert r.flops >= r.model_flops
+    assert 0 < r.mfu <= 1
+
+
+@pytest.mark.parametrize("variant", ["mtp_e2e_tv", "dspark_markov"])
+def test_drafter_train_step_compiles(variant):
+    from experiments.configs.train_drafter import get_config
+    c = get_config(f"{variant},tiny")
+    mesh = aot.topology_mesh(TOPOLOGY, c.mesh.to_dict())
+    r = _compile(aot.train_step(c, mesh), mesh)
+    assert r.fits and r.name.startswith("drafter_step")
+    assert r.shapes["loss"] == c.task.loss
+
+
+def test_engine_device_steps_compile_tensor_parallel():
+    from experiments.configs.train_drafter import get_config
+    from specjax.models import get_preset
+    task = get_config("dspark_markov,tiny").task
+    mesh = aot.topology_mesh(TOPOLOGY, {"data": 1, "fsdp": 1, "tensor": -1})
+    shapes = aot.EngineShapes(num_slots=4, max_len=128, gamma=3, buckets=(8, 16),
+                              prefill_chunk=16)
+    programs = aot.engine_steps(get_preset("tiny", num_kv_heads=4), task, mesh, shapes)
+    names = [p.name for p in programs]
+    assert names == ["engine.draft", "engine.verify[N=8]", "engine.verify[N=16]",
+                     "engine.prefill[C=16]"]
+    for p in programs:
+        r = _compile(p, mesh)
+        assert r.fits and r.mesh["tensor"] == 4
+
+
+@pytest.mark.parametrize("batch,gamma,vocab", [(256, 8, 151936), (64, 8, 32000), (32, 4, 151936),
+                                               (48, 4, 151936)])
+def test_rejection_kernel_compiles_for_tpu_at_one_read_of_p_and_q(batch, gamma, vocab):
+    mesh = aot.topology_mesh(TOPOLOGY, {"data": -1})
+    r = _compile(aot.rejection_kernel(mesh, batch=batch, gamma=gamma, vocab=vocab), mesh)
+    assert r.fits and r.bound == "memory"
+    # it reads every probability once (and the noise, one row per batch row): between one read of
+    # p and q and 1.2 of it. (12 rows per chip in the last case: not a multiple of 8, one block of
+    # all rows.) Tiny arrays are not in the list: XLA prefetches operands that fit in VMEM into
+    # it and the cost model counts that copy on top of the kernel's own reads.
+    assert r.notes["pq_bytes"] <= r.bytes_accessed <= 1.2 * r.notes["pq_bytes"]
+
+
+def test_oversized_config_is_reported_not_fitting_with_its_numbers():
+    # 151,936-token vocabulary, 8 x 1024 tokens per chip: the f32 logits alone are 4.6 GiB per
+    # chip, with their softmax and gradient far more than a v5e's 16 GiB.
+    c = _train_config(batch_size=32, seq_len=1024)
+    c.model.overrides.vocab_size = 151936
+    mesh = aot.topology_mesh(TOPOLOGY, c.mesh.to_dict())
+    big = aot.compile_program(aot.train_step(c, mesh), mesh, TOPOLOGY)
+    assert not big.fits
+    assert big.used_bytes > aot.HBM_BUDGET * big.hbm_bytes
+    assert big.compiled or "RESOURCE_EXHAUSTED" in big.error
+    assert big.used_bytes > 0 and big.hbm_bytes == 16 * 2**30
+    row = big.to_dict()
+    assert row["fits"] is False and row["hbm_fraction"] > aot.HBM_BUDGET

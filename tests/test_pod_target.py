@@ -1,0 +1,43 @@
+"""The pod job's target path: an HF checkpoint converted once into a target workdir, then restored
+by the drafter trainer straight into the FSDP shardings (8 fake CPU devices)."""
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from experiments.hf_to_target import convert
+from specjax.models import get_preset, init_model
+from specjax.models.hf_io import save_hf_checkpoint
+
+
+def test_hf_target_is_restored_sharded_into_the_drafter_trainer(tmp_path):
+    from experiments.configs.train_drafter import get_config
+    from specjax.training.trainer import Trainer
+
+    model = init_model(get_preset("tiny"), seed=7)
+    save_hf_checkpoint(model, None, str(tmp_path / "hf"))
+    workdir = convert(str(tmp_path / "hf"), "tiny", str(tmp_path / "target"), dtype="float32")
+
+    config = get_config("mtp_e2e_tv,tiny")
+    config.unlock()
+    config.model.overrides = {}
+    config.task.target_workdir = workdir
+    config.mesh.fsdp = 8
+    config.data.batch_size = 8
+    config.lock()
+    trainer = Trainer(config)
+    frozen = trainer.frozen["target"]
+    want = nnx.to_pure_dict(nnx.state(model))
+    got_leaves, want_leaves = jax.tree.leaves(frozen), jax.tree.leaves(want)
+    assert len(got_leaves) == len(want_leaves)
+    for got, ref in zip(got_leaves, want_leaves):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    # restored into the trainer's shardings: the embedding is split over fsdp on its embed axis
+    assert frozen["embed"].sharding == trainer.frozen_shardings["target"]["embed"]
+    assert frozen["embed"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
+
+
+def test_convert_refuses_a_checkpoint_of_another_architecture(tmp_path):
+    save_hf_checkpoint(init_model(get_preset("tiny", num_layers=3)), None, str(tmp_path / "hf"))
+    with pytest.raises(ValueError, match="num_layers"):
+        convert(str(tmp_path / "hf"), "tiny", str(tmp_path / "target"))
