@@ -34,6 +34,8 @@ import time
 import jax
 import numpy as np
 
+from specjax.paths import portable_argv, portable_values
+
 PLAIN = ("generate_host", "generate", "engine_none")
 
 
@@ -136,7 +138,7 @@ def run(args) -> dict:
         drafters[name] = load_trained(path, tparams)
     out = {"machine": {"cpu": platform.processor() or platform.machine(),
                        "cores": os.cpu_count(), "backend": jax.default_backend()},
-           "config": {k: v for k, v in vars(args).items() if k != "drafter"},
+           "config": portable_values({k: v for k, v in vars(args).items() if k != "drafter"}),
            "drafters": {n: {"gamma": int(d[3]), "type": type(d[0]).__name__}
                         for n, d in drafters.items()},
            "target_params": tcfg.num_params(), "cells": []}
@@ -172,12 +174,15 @@ def run(args) -> dict:
                     slot_steps = sum(r.steps for r in res)
                     drafted = np.sum([s.drafted for s in eng.loop_stats], axis=0)
                     accepted = np.sum([s.accepted for s in eng.loop_stats], axis=0)
+                    reached = np.sum([s.reached for s in eng.loop_stats], axis=0)
                     entry = {"wall_s": t, "tokens": n_tok, "tokens_per_s": n_tok / t,
                              "steps": steps, "step_s": t / max(1, steps),
                              "tau": (n_tok - len(res)) / max(1, slot_steps)}
                     if name.startswith("spec:"):
                         entry["acceptance_per_position"] = (
-                            accepted / np.maximum(drafted, 1)).tolist()
+                            accepted / np.maximum(drafted, 1)).tolist()  # survival of 1..k
+                        entry["alpha_per_position"] = (  # conditional α_k
+                            accepted / np.maximum(reached, 1)).tolist()
                         entry["step_costs"] = costs[name]
                     cell["decoders"][name] = entry
                 _speedups(cell)
@@ -319,7 +324,7 @@ def main(argv=None):
         model = res.pop("_model")
         res["max_len_sweep"] = max_len_sweep(model, nnx.split(model), res.pop("_tok"), args)
     res.pop("_model", None), res.pop("_tok", None)
-    res["argv"] = list(argv) if argv is not None else sys.argv[1:]
+    res["argv"] = portable_argv(list(argv) if argv is not None else sys.argv[1:])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)

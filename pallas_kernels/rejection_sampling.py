@@ -42,9 +42,10 @@ Backends (``rejection_sample_pallas(..., backend=...)``):
   aligned row strides, so a vocabulary with ``V % 4 != 0`` (f32) is padded first, which copies ``p``
   and ``q``; prefer Triton there. (``pl.pallas_call`` for Mosaic GPU is deprecated upstream in favour
   of ``plgpu.kernel``; jax 0.10.2 still lowers it, with a warning.)
-* ``"jnp"``: :func:`specjax.verify.rejection_sample_with_noise`, the gather-based verifier (reads two
-  rows per batch row instead of everything; what ``"auto"`` picks on CPU). ``"reference"``:
-  :func:`rejection_sample_reference`, the kernel's plain-jnp mirror.
+* ``"reference"``: :func:`rejection_sample_reference`, the kernel's plain-jnp mirror (what
+  ``"auto"`` picks off TPU / GPU). The gather-based verifier is not a backend here: kernels are
+  leaves, and :func:`specjax.verify.rejection_sample` (``impl="jnp" | "pallas"``) dispatches to
+  this module, never the other way round.
 * ``interpret=True`` runs either kernel with the Pallas interpreter (CPU tests); random numbers are
   always inputs (the TPU in-kernel PRNG returns zeros under the interpreter).
 """
@@ -58,7 +59,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from specjax.verify import VerifyOutput, rejection_sample_with_noise
+from specjax.verify_types import VerifyOutput
 
 __all__ = [
     "RejectionTiles",
@@ -472,9 +473,11 @@ def _stats_mosaic_gpu(xp, draft_probs, target_probs, exponentials, tiles: Reject
 
 
 def default_backend() -> str:
-    """``"mosaic_tpu"`` on TPU, ``"triton"`` on GPU, ``"jnp"`` otherwise."""
+    """``"mosaic_tpu"`` on TPU, ``"triton"`` on GPU, ``"reference"`` (the kernel's jnp mirror)
+    otherwise."""
     platform = jax.default_backend()
-    return {"tpu": "mosaic_tpu", "gpu": "triton", "cuda": "triton", "rocm": "triton"}.get(platform, "jnp")
+    return {"tpu": "mosaic_tpu", "gpu": "triton", "cuda": "triton",
+            "rocm": "triton"}.get(platform, "reference")
 
 
 def position_stats_pallas(draft_tokens, draft_probs, target_probs, exponentials, *, backend, tiles=None, interpret=False):
@@ -510,16 +513,14 @@ def rejection_sample_pallas(
     Args:
       draft_tokens: int32 ``[B, K]``; draft_probs: ``[B, K, V]``; target_probs: ``[B, K+1, V]``;
       uniforms: float32 ``[B, K]``; exponentials: float32 ``[B, V]``; num_draft: int32 ``[B]``.
-      backend: ``"auto"`` (:func:`default_backend`), ``"mosaic_tpu"``, ``"triton"``, ``"mosaic_gpu"``,
-        ``"jnp"`` (the gather-based verifier) or ``"reference"`` (the kernel's jnp mirror).
+      backend: ``"auto"`` (:func:`default_backend`), ``"mosaic_tpu"``, ``"triton"``, ``"mosaic_gpu"``
+        or ``"reference"`` (the kernel's jnp mirror).
       tiles: :class:`RejectionTiles`.
       interpret: run the kernel in the Pallas interpreter (any platform, e.g. CPU tests).
     """
     bsz, k = draft_tokens.shape
     if backend in (None, "auto"):
         backend = default_backend()
-    if backend == "jnp":
-        return rejection_sample_with_noise(draft_tokens, draft_probs, target_probs, uniforms, exponentials, num_draft)
     if backend == "reference":
         return rejection_sample_reference(draft_tokens, draft_probs, target_probs, uniforms, exponentials, num_draft)
     stats = position_stats_pallas(

@@ -19,8 +19,8 @@ work. Per category (and pooled over all, ``"all"``) the report has:
   verified draft k also fails when an earlier draft of its step was rejected, so this is the
   survival of drafts 1..k, not the conditional ``α_k`` of :mod:`specjax.evaluation`;
 * ``conditional_acceptance_per_position``: ``α_k = P(draft k accepted | draft k verified and
-  drafts 1..k-1 accepted)`` = ``accepted_k / reached_k``. It needs ``reached_k`` counts, which the
-  device loop's statistics do not carry; it is ``null`` then (see :func:`position_counts`);
+  drafts 1..k-1 accepted)`` = ``accepted_k / reached_k`` (``reached`` counts come from the device
+  loop's ``LoopStats`` or, one request per step, the host loop's; see :func:`position_counts`);
 * ``spec_tok_s`` / ``plain_tok_s``: generated tokens per second of wall time (prefill included,
   compilation excluded: both decoders are warmed up first), and ``speedup`` = their ratio;
 * ``greedy_agreement`` (temperature 0 only): fraction of prompts whose speculative output equals the

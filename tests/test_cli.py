@@ -173,12 +173,12 @@ def test_position_counts_from_host_and_device_loop_stats():
     # a step with two active requests cannot be split between them
     assert position_counts([], steps + [step(2, 4, 1)], 3)["verified"] is None
     loops = [LoopStats(steps=2, draft_steps=2, tokens=5, active=2, drafted=[2, 2, 1],
-                       accepted=[2, 1, 0], wall_s=0.0),
+                       accepted=[2, 1, 0], reached=[2, 2, 1], wall_s=0.0),
              LoopStats(steps=1, draft_steps=1, tokens=2, active=1, drafted=[1, 1, 1],
-                       accepted=[1, 0, 0], wall_s=0.0)]
+                       accepted=[1, 0, 0], reached=[1, 1, 0], wall_s=0.0)]
     c = position_counts(loops, [], 3)
     assert c["verified"].tolist() == [3, 3, 2] and c["accepted"].tolist() == [3, 1, 0]
-    assert c["reached"] is None  # the device loop's statistics carry no reached counts
+    assert c["reached"].tolist() == [3, 3, 1]  # summed over the device loop's calls
 
 
 def test_eval_bad_prompt_file_names_the_line(tmp_path, capsys):

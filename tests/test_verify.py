@@ -365,3 +365,25 @@ def test_flat_custom_layout_and_segments():
     assert pos.tolist() == [0, 1, 2, 0, 0, 1, 2, 3, -1, -1]
     d, t = V.flat_offsets(jnp.array([2, 0, 3]))
     assert d.tolist() == [0, 2, 2] and t.tolist() == [0, 3, 4]
+
+
+def test_backend_dispatch_pallas_equals_jnp_and_auto_resolves_by_platform():
+    """``impl="pallas"`` (the kernel module; off TPU/GPU its jnp mirror) picks bit-identical tokens
+    to the gather-based verifier from the same key; "auto" means the kernel on TPU / GPU only."""
+    from specjax.verify import rejection_sample, resolve_impl
+    rng = np.random.default_rng(3)
+    b, k, v = 6, 3, 50
+    q = rng.dirichlet(np.ones(v) * 0.3, size=(b, k)).astype(np.float32)
+    p = rng.dirichlet(np.ones(v) * 0.3, size=(b, k + 1)).astype(np.float32)
+    x = np.stack([[rng.choice(v, p=q[i, j] / q[i, j].sum()) for j in range(k)] for i in range(b)])
+    nd = rng.integers(0, k + 1, size=b).astype(np.int32)
+    keys = jax.random.split(jax.random.key(0), b)
+    a = rejection_sample(keys, x, q, p, nd, impl="jnp")
+    c = rejection_sample(keys, x, q, p, nd, impl="pallas")
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
+    np.testing.assert_array_equal(np.asarray(a.num_accepted), np.asarray(c.num_accepted))
+    assert resolve_impl("auto", "cpu") == "jnp"
+    assert resolve_impl("auto", "tpu") == resolve_impl("auto", "gpu") == "pallas"
+    assert resolve_impl("jnp", "tpu") == "jnp"
+    with pytest.raises(ValueError):
+        resolve_impl("cuda")

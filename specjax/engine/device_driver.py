@@ -66,6 +66,7 @@ class DeviceLoopMixin:
             dev=self.state, active=active, remaining=remaining, steps=steps,
             out=np.full((s, spec.out_len), -1, np.int32), out_len=np.zeros(s, np.int32),
             drafted=np.zeros((s, g), np.int32), accepted=np.zeros((s, g), np.int32),
+            reached=np.zeros((s, g), np.int32),
             conf_hist=carry.conf_hist, hist_n=hist_n.astype(np.int32), prior=carry.prior,
             prior_seen=carry.prior_seen, since_draft=carry.since_draft, draws=carry.draws,
             t=np.int32(0), finished=np.bool_(False))
@@ -86,8 +87,8 @@ class DeviceLoopMixin:
                       stop_on_finish, spec=self._loop_spec())
         self.state = ls.dev
         self._carry = ls
-        out, out_len, steps, drafted, accepted, t, draws = jax.device_get(
-            (ls.out, ls.out_len, ls.steps, ls.drafted, ls.accepted, ls.t, ls.draws))
+        out, out_len, steps, drafted, accepted, reached, t, draws = jax.device_get(
+            (ls.out, ls.out_len, ls.steps, ls.drafted, ls.accepted, ls.reached, ls.t, ls.draws))
         now = time.perf_counter()
         for i, live in enumerate(self.slots):
             if live is None:
@@ -98,6 +99,7 @@ class DeviceLoopMixin:
         stats = LoopStats(steps=int(t), draft_steps=int(draws) - draws_in,
                           tokens=int(out_len.sum()), active=active_in,
                           drafted=drafted.sum(0).tolist(), accepted=accepted.sum(0).tolist(),
+                          reached=reached.sum(0).tolist(),
                           wall_s=time.perf_counter() - t0)
         self.loop_stats.append(stats)
         return stats

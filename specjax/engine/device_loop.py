@@ -71,6 +71,8 @@ class LoopState(NamedTuple):
     steps: int32 ``[S]`` verification steps its request has taken (keys its verification noise).
     out: int32 ``[S, O]`` tokens emitted during this call; out_len: int32 ``[S]`` how many.
     drafted, accepted: int32 ``[S, γ]`` drafts verified / accepted per draft position (this call).
+    reached: int32 ``[S, γ]`` verified drafts whose earlier drafts were all accepted (the
+      denominator of the conditional acceptance α_k = accepted / reached).
     conf_hist: f32 ``[S, 2, γ]`` the slot's last two drafted confidences (older first);
       hist_n: int32 ``[S]`` how many it has (production).
     prior: f32 ``[γ]`` running mean of confidences (production: stands in for new requests);
@@ -88,6 +90,7 @@ class LoopState(NamedTuple):
     out_len: jax.Array
     drafted: jax.Array
     accepted: jax.Array
+    reached: jax.Array
     conf_hist: jax.Array
     hist_n: jax.Array
     prior: jax.Array
@@ -241,6 +244,7 @@ def run_loop(target_graphdef: nnx.GraphDef, target_state, drafter, params, froze
             dev=dev, active=new_active, remaining=remaining, steps=ls.steps + active,
             out=buf, out_len=out_len, drafted=ls.drafted + ver,
             accepted=ls.accepted + (ver & (pos < n_acc[:, None])),
+            reached=ls.reached + (ver & (pos <= n_acc[:, None])),
             since_draft=jnp.where(drew, 0, ls.since_draft + 1), draws=ls.draws + drew,
             t=ls.t + 1, finished=ls.finished | jnp.any(done))
 
@@ -269,6 +273,6 @@ def init_loop_state(dev: DeviceState, num_slots: int, gamma: int, out_len: int) 
         dev=dev, active=jnp.zeros((s,), bool), remaining=zi, steps=zi,
         out=jnp.full((s, out_len), -1, jnp.int32), out_len=zi,
         drafted=jnp.zeros((s, g), jnp.int32), accepted=jnp.zeros((s, g), jnp.int32),
-        conf_hist=jnp.zeros((s, 2, g), jnp.float32), hist_n=zi,
+        reached=jnp.zeros((s, g), jnp.int32), conf_hist=jnp.zeros((s, 2, g), jnp.float32), hist_n=zi,
         prior=jnp.full((g,), 0.5, jnp.float32), prior_seen=jnp.bool_(False),
         since_draft=jnp.int32(0), draws=jnp.int32(0), t=jnp.int32(0), finished=jnp.bool_(False))

@@ -174,7 +174,9 @@ class LoopStats:
     steps: engine steps run on the device. draft_steps: how many of them drafted (production
     skips drafting at budget 0). tokens: tokens emitted. active: slots active at entry.
     drafted, accepted: int ``[γ]`` drafts verified / accepted per draft position, summed over
-    slots and steps. wall_s: host wall time of the call (dispatch to read-back).
+    slots and steps; ``accepted[k] / drafted[k]`` is the survival of drafts 1..k among verified
+    positions. reached: int ``[γ]`` verified drafts whose earlier drafts were all accepted;
+    ``accepted[k] / reached[k]`` is the conditional acceptance α_k. wall_s: host wall time of the call (dispatch to read-back).
     """
 
     steps: int
@@ -183,4 +185,5 @@ class LoopStats:
     active: int
     drafted: list
     accepted: list
+    reached: list
     wall_s: float

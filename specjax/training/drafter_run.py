@@ -38,7 +38,7 @@ def load_drafter(workdir: str, *, step: Optional[int] = None):
     sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                             task.abstract_params)
-    params = restore_params(os.path.join(workdir, "checkpoints"), abstract, step)
+    params = restore_params(os.path.join(os.path.abspath(workdir), "checkpoints"), abstract, step)
     return task.drafter, params, task
 
 
