@@ -19,6 +19,11 @@
 Run:
     make quickstart                      # or: .venv/bin/python -m experiments.quickstart
     .venv/bin/python -m experiments.quickstart --tiny    # smoke run: tiny model, a few steps
+    .venv/bin/python -m experiments.quickstart --head-steps 300   # a longer-trained head
+
+The workdirs of the target and of the head are printed (steps 1 and 3); ``benchmarks/spec_vs_plain.py``
+takes them (``--target <target workdir> --drafter mtp=<head workdir>``) for the full grid of
+batch sizes and domains.
 """
 from __future__ import annotations
 
@@ -277,8 +282,15 @@ def acceptance_lines(cells: list[dict]) -> list[str]:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny model, a few steps (smoke run)")
+    parser.add_argument("--head-steps", type=int, default=None,
+                        help=f"MTP head training steps (default {FULL.head_steps}; "
+                             f"--tiny: {TINY.head_steps}); a new value trains a new head")
     args = parser.parse_args(argv)
     sizes = TINY if args.tiny else FULL
+    if args.head_steps is not None:
+        if args.head_steps < 2:
+            parser.error("--head-steps must be >= 2 (CE for the first half, then e2e-TV)")
+        sizes = dataclasses.replace(sizes, head_steps=args.head_steps)
     t_start = time.perf_counter()
     print(f"JAX {jax.__version__} on {jax.default_backend()} ({len(jax.devices())} devices)")
 
