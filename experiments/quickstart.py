@@ -78,6 +78,14 @@ def _workdir(tiny: bool) -> str:
     return os.path.join(cache_base(), f"target_tiny-{key}" if tiny else f"target-{key}")
 
 
+def cached_target(tiny: bool):
+    """The quickstart's finished target workdir when it is cached, else None (notebooks reuse it
+    instead of pretraining another copy)."""
+    from experiments.configs import pretrain_target
+    steps = pretrain_target.get_config("tiny" if tiny else None).train.num_steps
+    return _workdir(tiny) if _finished(_workdir(tiny), steps) else None
+
+
 def train_target(tiny: bool):
     """Trains (or resumes / reuses) the default target. Returns (RunResult, seconds)."""
     from experiments.configs import pretrain_target
