@@ -85,8 +85,11 @@ def test_02_bebop_losses(tmp_path):
         assert set(cells) == {"RS@1", "TO@1"}, name
         for cell, by_domain in cells.items():
             for d, m in by_domain.items():
-                alpha = m["acceptance"]
-                assert len(alpha) == 3 and all(0 <= a <= 1 for a in alpha), (name, cell, d)
+                alpha = m["acceptance"]  # None: a position no draft reached
+                assert len(alpha) == 3 and alpha[0] is not None, (name, cell, d)
+                assert all(a is None or 0 <= a <= 1 for a in alpha), (name, cell, d)
+                reached = [a for a in alpha if a is not None]
+                assert alpha[:len(reached)] == reached, (name, cell, d)  # unreached: a suffix
                 # τ = 1 + accepted per step: between 1 and γ + 1, and accept_rate = (τ − 1) / γ
                 assert 1 <= m["tau"] <= 4, (name, cell, d)
                 assert math.isclose(m["accept_rate"], (m["tau"] - 1) / 3, abs_tol=1e-9)
