@@ -28,11 +28,20 @@ DATA_SOURCES = ("data/corpus.py", "data/math_problems.py", "data/tokenizer.py",
 #: stack that turns both into parameters.
 TARGET_SOURCES = DATA_SOURCES + (
     "data/pipeline.py",
-    "models/config.py", "models/layers.py", "models/transformer.py",
+    "models/attention.py", "models/config.py", "models/kv_cache.py", "models/layers.py",
+    "models/transformer.py",
     "training/checkpoint.py", "training/config.py", "training/distributed.py",
     "training/errors.py", "training/inputs.py", "training/lm_task.py", "training/optimizer.py",
     "training/registry.py", "training/run.py", "training/sharding.py", "training/tasks.py",
     "training/trainer.py",
+)
+
+#: A trained drafter (the quickstart's MTP head): its target's code (above), the drafters, the
+#: losses and the drafter task that trains them.
+DRAFTER_SOURCES = TARGET_SOURCES + (
+    "losses.py", "sampling.py", "drafters/__init__.py", "drafters/base.py", "drafters/blocks.py",
+    "drafters/draft_lm.py", "drafters/dspark.py", "drafters/mtp.py", "drafters/ngram.py",
+    "training/drafter_data.py", "training/drafter_run.py", "training/drafter_task.py",
 )
 
 

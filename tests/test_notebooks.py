@@ -1,29 +1,41 @@
-"""Executes notebooks/drafter_quicktour.ipynb headless (nbclient; the same as
-``pytest --nbmake notebooks/drafter_quicktour.ipynb``) in its small (tiny) mode."""
+"""Executes the notebooks headless (nbclient; the same as ``pytest --nbmake notebooks/``) in their
+tiny mode (``SPECJAX_NOTEBOOK_TINY=1``) and asserts on the numbers they produce.
+
+The kernel is a fresh process with one CPU device (a user's session, not the 8 fake devices of
+conftest.py), this checkout first on its path, and the caches of this test session (the tiny
+target and MTP head of the quickstart are shared with tests/test_quickstart.py when both run in
+the same process). Assertions are ranges and bookkeeping identities any model satisfies: a tiny,
+barely trained model passes them, a broken pipeline does not.
+"""
+import json
+import math
 import os
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NOTEBOOK = os.path.join(ROOT, "notebooks", "drafter_quicktour.ipynb")
+NOTEBOOKS = os.path.join(ROOT, "notebooks")
 
 
-@pytest.mark.xdist_group("tiny_target")  # shares the cached tiny target with the driver test
-def test_drafter_quicktour_runs(tmp_path):
+def _execute(name: str, workdir) -> str:
+    """Runs notebooks/<name> in tiny mode with ``workdir`` as its work directory; returns the
+    text of its outputs."""
     nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed")
     nbclient = pytest.importorskip("nbclient", reason="nbclient is not installed")
     pytest.importorskip("ipykernel", reason="ipykernel is not installed")
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    saved = {k: os.environ.get(k) for k in ("SPECJAX_NOTEBOOK_WORKDIR", "XLA_FLAGS")}
-    os.environ["SPECJAX_NOTEBOOK_WORKDIR"] = str(tmp_path)
-    # the kernel is a fresh process: give it the one CPU device of a user's session, not the
-    # 8 fake devices of tests/conftest.py
+    nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), \
+        f"{name}: outputs must be stripped in git"
+    keys = ("SPECJAX_NOTEBOOK_WORKDIR", "SPECJAX_NOTEBOOK_TINY", "XLA_FLAGS", "PYTHONPATH")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ["SPECJAX_NOTEBOOK_WORKDIR"] = str(workdir)
+    os.environ["SPECJAX_NOTEBOOK_TINY"] = "1"
     os.environ["XLA_FLAGS"] = " ".join(f for f in (saved["XLA_FLAGS"] or "").split()
                                        if "xla_force_host_platform_device_count" not in f)
+    os.environ["PYTHONPATH"] = ROOT + os.pathsep + (saved["PYTHONPATH"] or "")
     try:
-        client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                         resources={"metadata": {"path": os.path.dirname(
-                                             NOTEBOOK)}})
+        client = nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
+                                         resources={"metadata": {"path": NOTEBOOKS}})
         client.execute()
     finally:
         for k, v in saved.items():
@@ -31,7 +43,89 @@ def test_drafter_quicktour_runs(tmp_path):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                      for o in c.get("outputs", []))
-    assert "predicted 1 + sum prod alpha" in outputs
+    return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                   for o in c.get("outputs", []))
+
+
+def test_no_notebook_forces_a_backend():
+    for name in sorted(os.listdir(NOTEBOOKS)):
+        if name.endswith(".ipynb"):
+            text = open(os.path.join(NOTEBOOKS, name)).read()
+            assert "JAX_PLATFORMS" not in text, name
+            assert "SPECJAX_NOTEBOOK_TINY" in text, f"{name} has no tiny mode"
+
+
+@pytest.mark.xdist_group("tiny_target")
+def test_01_quickstart(tmp_path):
+    from test_quickstart import check_comparison
+
+    from experiments import quickstart
+    out = _execute("01_quickstart.ipynb", tmp_path)
+    with open(tmp_path / "01_quickstart.json") as f:
+        comparison = json.load(f)
+    check_comparison(comparison, quickstart.TINY)
+    assert "checks passed" in out
+    with open(tmp_path / "01_quickstart.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.xdist_group("tiny_target")
+def test_02_bebop_losses(tmp_path):
+    out = _execute("02_bebop_losses.ipynb", tmp_path)
+    with open(tmp_path / "02_bebop" / "summary.json") as f:
+        summary = json.load(f)
+    table = summary["bebop"]["table"]
+    assert set(table) == {"ce", "e2e_tv"}
+    for loss, row in table.items():
+        assert set(row) == {"math", "code", "prose", "all"}, loss
+        for d, m in row.items():
+            assert 0 <= m["rs"] <= 1 and 0 <= m["to"] <= 1, (loss, d)
+            assert math.isfinite(m["rs_slope"]) and math.isfinite(m["to_slope"]), (loss, d)
+    for name, cells in summary["bebop"]["results"].items():
+        assert set(cells) == {"RS@1", "TO@1"}, name
+        for cell, by_domain in cells.items():
+            for d, m in by_domain.items():
+                alpha = m["acceptance"]  # None: a position no draft reached
+                assert len(alpha) == 3 and alpha[0] is not None, (name, cell, d)
+                assert all(a is None or 0 <= a <= 1 for a in alpha), (name, cell, d)
+                reached = [a for a in alpha if a is not None]
+                assert alpha[:len(reached)] == reached, (name, cell, d)  # unreached: a suffix
+                # τ = 1 + accepted per step: between 1 and γ + 1, and accept_rate = (τ − 1) / γ
+                assert 1 <= m["tau"] <= 4, (name, cell, d)
+                assert math.isclose(m["accept_rate"], (m["tau"] - 1) / 3, abs_tol=1e-9)
+    assert "checks passed" in out
+    for png in ("acceptance_per_position.png", "acceptance_vs_entropy.png"):
+        assert os.path.getsize(tmp_path / "02_bebop" / "results" / "bebop" / png) > 10_000
+
+
+@pytest.mark.xdist_group("tiny_target")
+def test_03_dspark(tmp_path):
+    out = _execute("03_dspark.ipynb", tmp_path)
+    with open(tmp_path / "03_dspark.json") as f:
+        res = json.load(f)
+    gamma = res["gamma"]
+    assert gamma == 7
+    assert set(res["served"]) == {"fixed", "threshold", "dspark"}
+    for name, s in res["served"].items():
+        assert s["tokens"] == s["requested"] == 4 * 16, name
+        assert 1 <= s["tau"] <= gamma + 1, name
+        # a 2-slot engine emits at most 2 slot-steps of tokens per engine step
+        assert s["tokens_per_engine_step"] <= 2 * (gamma + 1), name
+    assert {"DFlash", "DSpark-Markov"} <= set(res["table"])
+    for label in ("DFlash", "DSpark-Markov"):
+        for cell, m in res["table"][label].items():
+            assert 1 <= m["tau"] <= gamma + 1 and 1 <= m["tau_pred"] <= gamma + 1, (label, cell)
+    cal = res["calibration"]["dspark_markov_g7"]
+    assert len(cal["ece_before"]) == len(cal["ece_after"]) == gamma
+    assert all(0 <= e <= 1 for e in cal["ece_before"] + cal["ece_after"])
+    assert all(t > 0 for t in cal["temperatures"])
+    assert "checks passed" in out
+    assert os.path.getsize(tmp_path / "03_dspark" / "results" / "dspark_g7" /
+                           "reliability_dspark_markov_g7.png") > 10_000
+
+
+@pytest.mark.xdist_group("tiny_target")  # shares the cached tiny target with the driver test
+def test_drafter_quicktour_runs(tmp_path):
+    out = _execute("drafter_quicktour.ipynb", tmp_path)
+    assert "predicted 1 + sum prod alpha" in out
     assert os.path.exists(tmp_path / "eval" / "acceptance_per_position.png")

@@ -1,0 +1,115 @@
+"""`python -m experiments.quickstart --tiny` end to end, asserting on the numbers it writes.
+
+The run is a subprocess (a user's single CPU device, not the 8 fake devices of conftest.py) with
+the quickstart cache under this test session's temporary directory. The assertions are
+bookkeeping identities and ranges that hold for any model, so a tiny, barely trained target
+passes them while a broken pipeline (tokens lost or invented, acceptance counted wrong, a
+comparison against the wrong baseline, a cache that does not reuse) does not.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _user_env():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if "xla_force_host_platform_device_count" not in f)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+@pytest.fixture(scope="module")
+def tiny_run():
+    proc = subprocess.run([sys.executable, "-m", "experiments.quickstart", "--tiny"], cwd=ROOT,
+                          env=_user_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out_dir = os.path.join(os.environ["SPECJAX_QUICKSTART_DIR"], "summary_tiny")
+    with open(os.path.join(out_dir, "summary.json")) as f:
+        return json.load(f), out_dir, proc.stdout
+
+
+def check_comparison(s: dict, sizes) -> None:
+    """Asserts the bookkeeping of ``experiments.quickstart.speculative_vs_plain``'s output ``s``
+    (also used by the notebook test)."""
+    g = s["gamma"]
+    assert g == 3 and s["batch"] == 1
+    assert [(c["domain"], c["temperature"]) for c in s["cells"]] == [
+        ("math", 0.0), ("math", 1.0), ("code", 0.0), ("code", 1.0)]
+    for c in s["cells"]:
+        dec = c["decoders"]
+        for name in ("generate", "engine_none", "speculative"):
+            e = dec[name]
+            # no stop tokens: every decoder generates exactly what was asked
+            assert e["tokens"] == e["requested"] == sizes.prompts_per_domain * sizes.new_tokens
+            assert e["wall_s"] > 0 and math.isclose(e["tokens_per_s"], e["tokens"] / e["wall_s"])
+        assert c["baseline"] == max(("generate", "engine_none"),
+                                    key=lambda n: dec[n]["tokens_per_s"])
+        assert math.isclose(c["speedup"], dec["speculative"]["tokens_per_s"] /
+                            dec[c["baseline"]]["tokens_per_s"])
+        spec = dec["speculative"]
+        n, steps = spec["requests"], spec["steps"]
+        drafted, accepted = spec["drafted"], spec["accepted"]
+        assert n == sizes.prompts_per_domain and len(drafted) == len(accepted) == g
+        # at most one verification per step and position; a later position is verified / accepted
+        # only with the earlier ones
+        assert steps >= drafted[0] > 0
+        assert all(a >= b for a, b in zip(drafted, drafted[1:]))
+        assert all(a >= b for a, b in zip(accepted, accepted[1:]))
+        assert all(0 <= a <= d for a, d in zip(accepted, drafted))
+        # each request emits one token at prefill, then accepted + 1 per step; its last step can
+        # lose at most γ tokens to max_new_tokens
+        emitted = steps + sum(accepted)
+        assert spec["tokens"] - n <= emitted <= spec["tokens"] - n + g * n
+        assert 1.0 <= spec["tau"] <= g + 1
+        assert math.isclose(spec["tau"], (spec["tokens"] - n) / steps)
+        for k in range(g):
+            assert 0.0 <= spec["reach"][k] <= 1.0 and 0.0 <= spec["alpha"][k] <= 1.0
+            if drafted[k]:
+                assert math.isclose(spec["reach"][k], accepted[k] / drafted[k])
+    # at T = 1 the head's drafts (trained to match the target) are accepted somewhere: an engine
+    # that rejects everything fails here
+    assert sum(c["decoders"]["speculative"]["accepted"][0] for c in s["cells"]
+               if c["temperature"] == 1.0) > 0
+
+
+def test_tiny_quickstart_counts_add_up(tiny_run):
+    from experiments import quickstart
+    s, _, stdout = tiny_run
+    assert s["tiny"] and s["sizes"]["head_steps"] == quickstart.TINY.head_steps
+    check_comparison(s, quickstart.TINY)
+    assert "speed-up" in stdout and "α per position" in stdout
+
+
+def test_tiny_quickstart_writes_the_summary_page(tiny_run):
+    s, out_dir, _ = tiny_run
+    md = open(os.path.join(out_dir, "summary.md")).read()
+    png = os.path.join(out_dir, "summary.png")
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(png) > 10_000  # two panels, not an empty canvas
+    for c in s["cells"]:
+        assert f"{c['speedup']:.2f}x" in md
+    assert "![summary](summary.png)" in md
+
+
+def test_tiny_quickstart_head_is_cached_and_keyed(tiny_run):
+    """The head is reused from the cache by a second call, and its key follows its config."""
+    import dataclasses
+
+    from experiments import quickstart
+    s, _, _ = tiny_run
+    target = quickstart._workdir(True)
+    assert s["target_workdir"] == target and not s["head_reused"]
+    config = quickstart.head_config(quickstart.TINY, target)
+    assert quickstart.head_workdir(config) == s["head_workdir"]
+    wd, _, reused = quickstart.train_head(quickstart.TINY, target)
+    assert wd == s["head_workdir"] and reused
+    longer = quickstart.head_config(dataclasses.replace(quickstart.TINY, head_steps=6), target)
+    assert quickstart.head_workdir(longer) != s["head_workdir"]
