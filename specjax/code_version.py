@@ -31,7 +31,8 @@ TARGET_SOURCES = DATA_SOURCES + (
     "models/attention.py", "models/config.py", "models/kv_cache.py", "models/layers.py",
     "models/transformer.py",
     "training/checkpoint.py", "training/config.py", "training/distributed.py",
-    "training/errors.py", "training/inputs.py", "training/lm_task.py", "training/optimizer.py",
+    "training/errors.py", "training/inputs.py", "training/lm_task.py", "training/memory.py",
+    "training/optimizer.py",
     "training/registry.py", "training/run.py", "training/sharding.py", "training/tasks.py",
     "training/trainer.py",
 )

@@ -115,7 +115,7 @@ def chunked_lm_loss(model: Transformer, h: jax.Array, targets: jax.Array, loss_m
     Returns:
       ``(loss, metrics)`` exactly as :func:`~specjax.training.lm_task.lm_loss`.
     """
-    from specjax.training.lm_task import LOSS_WEIGHT
+    from specjax.training.tasks import LOSS_WEIGHT
 
     if chunk <= 0:
         raise ValueError(f"chunk must be > 0, got {chunk}")
