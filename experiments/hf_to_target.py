@@ -11,16 +11,9 @@ parameters are stored in ``--dtype`` (bf16 by default, what ``tpu_pod.py`` confi
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
-
-from absl import app, flags
-
-_HF_DIR = flags.DEFINE_string("hf_dir", None, "Local HF checkpoint directory.", required=True)
-_PRESET = flags.DEFINE_string("preset", None, "specjax preset it must match.", required=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output target workdir (a directory every training host sees).",
-                               required=True)
-_DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Parameter dtype stored.")
 
 # Fields that describe how the model is run, not its architecture.
 _RUNTIME_FIELDS = ("dtype", "param_dtype", "max_position_embeddings")
@@ -59,16 +52,23 @@ def convert(hf_dir: str, preset: str, workdir: str, dtype: str = "bfloat16") -> 
     return workdir
 
 
-def main(argv) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+def main(argv=None) -> None:
+    # argparse, not absl flags: absl flags are process-global, and other entry points that tests
+    # import into the same process define --workdir too.
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hf_dir", required=True, help="Local HF checkpoint directory.")
+    ap.add_argument("--preset", required=True, help="specjax preset it must match.")
+    ap.add_argument("--workdir", required=True,
+                    help="Output target workdir (a directory every training host sees).")
+    ap.add_argument("--dtype", default="bfloat16", help="Parameter dtype stored.")
+    args = ap.parse_args(argv)
     try:
-        workdir = convert(_HF_DIR.value, _PRESET.value, _WORKDIR.value, _DTYPE.value)
+        workdir = convert(args.hf_dir, args.preset, args.workdir, args.dtype)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(f"wrote {workdir}/checkpoints/0 ({_DTYPE.value})")
+    print(f"wrote {workdir}/checkpoints/0 ({args.dtype})")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main()

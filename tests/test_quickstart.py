@@ -106,7 +106,9 @@ def test_tiny_quickstart_head_is_cached_and_keyed(tiny_run):
     from experiments import quickstart
     s, _, _ = tiny_run
     target = quickstart._workdir(True)
-    assert s["target_workdir"] == target and not s["head_reused"]
+    # (whether this first call trained the head depends on what ran before it in this process:
+    # the tiny notebook builds the same head)
+    assert s["target_workdir"] == target
     config = quickstart.head_config(quickstart.TINY, target)
     assert quickstart.head_workdir(config) == s["head_workdir"]
     wd, _, reused = quickstart.train_head(quickstart.TINY, target)
