@@ -58,7 +58,7 @@ It returns the same :class:`VerifyOutput` as the padded form for the same random
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp

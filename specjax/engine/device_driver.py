@@ -8,6 +8,7 @@ never delayed by more than one device step.
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Optional
 
@@ -25,7 +26,9 @@ STOP_WIDTH = 4
 class DeviceLoopMixin:
     """The device-loop half of :class:`~specjax.engine.engine.Engine`."""
 
+    @functools.cached_property
     def _loop_spec(self) -> LoopSpec:
+        """The loop's static spec (fixed by the engine's config: built once)."""
         cfg = self.config
         sch = cfg.scheduler
         return LoopSpec(policy=sch.policy, gamma=cfg.gamma, buckets=tuple(self.buckets),
@@ -40,7 +43,7 @@ class DeviceLoopMixin:
         """Host arrays for one call: the loop state around ``self.state`` and the per-slot
         sampling / seeds / stop tokens, all committed to the engine's device."""
         s, g = self.config.num_slots, self.config.gamma
-        spec = self._loop_spec()
+        spec = self._loop_spec
         carry = self._carry
         if carry is None:
             carry = init_loop_state(self.state, s, g, spec.out_len)
@@ -80,13 +83,7 @@ class DeviceLoopMixin:
             return None
         active_in = self.num_active
         draws_in = 0 if self._carry is None else int(self._carry.draws)
-        ls, (seeds, stops, stop_on_finish) = self._loop_inputs(bool(self.queue))
-        sps, sps_d = self._device_sps()
-        ls = run_loop(self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
-                      ls, self._put(self._sampling()), seeds, stops, sps, sps_d, self._key,
-                      stop_on_finish, spec=self._loop_spec())
-        self.state = ls.dev
-        self._carry = ls
+        ls = self._run_loop(stop_on_finish=bool(self.queue))
         out, out_len, steps, drafted, accepted, reached, t, draws = jax.device_get(
             (ls.out, ls.out_len, ls.steps, ls.drafted, ls.accepted, ls.reached, ls.t, ls.draws))
         now = time.perf_counter()
@@ -111,12 +108,17 @@ class DeviceLoopMixin:
                              self._put(np.asarray(self.sps_table_draft, np.float32)))
         return self._sps_dev[1], self._sps_dev[2]
 
-    def _warmup_device_loop(self) -> None:
-        """Compiles the device loop (all slots idle: it returns at once)."""
-        ls, (seeds, stops, stop) = self._loop_inputs(False)
+    def _run_loop(self, *, stop_on_finish: bool) -> LoopState:
+        """One call of the device loop over the current slots; keeps its state. Returns it."""
+        ls, (seeds, stops, stop) = self._loop_inputs(stop_on_finish)
         sps, sps_d = self._device_sps()
         ls = run_loop(self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
                       ls, self._put(self._sampling()), seeds, stops, sps, sps_d, self._key, stop,
-                      spec=self._loop_spec())
+                      spec=self._loop_spec)
         self.state = ls.dev
         self._carry = ls
+        return ls
+
+    def _warmup_device_loop(self) -> None:
+        """Compiles the device loop (all slots idle: it returns at once)."""
+        self._run_loop(stop_on_finish=False)
