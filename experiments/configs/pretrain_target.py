@@ -10,6 +10,14 @@ Tiny mode (a few steps on a 30-document subset, for tests / CI; seconds after da
     python -m experiments.train --config experiments/configs/pretrain_target.py:tiny \
         --workdir runs/pretrain_target_tiny
 
+Larger target (preset ``base50m`` on the embedded 2048-token vocabulary: 12 layers, d=512,
+38.8M parameters; its f32 weights, 155 MB, do not fit a CPU's last-level cache, so a decode step
+reads them from memory and a K-token verification adds arithmetic on weights already loaded;
+benchmarks/spec_vs_plain.py measures what that buys)::
+
+    python -m experiments.train --config experiments/configs/pretrain_target.py:base \
+        --workdir runs/pretrain_target_base
+
 Re-running with the same workdir resumes (or, when finished, just re-evaluates). The corpus is
 prepared once (BPE tokenizer with the model's vocabulary + TFDS array_record) under
 ``~/.cache/specjax/data/vocab2048`` (override with ``--config.data.data_dir`` or
@@ -21,9 +29,10 @@ from specjax.training.config import default_config
 
 
 def get_config(arg: str | None = None):
-    """``arg``: None / "" for the full run, "tiny" for a few-step smoke run."""
-    if arg not in (None, "", "tiny"):
-        raise ValueError(f"pretrain_target: unknown mode {arg!r}; use '' or 'tiny'")
+    """``arg``: None / "" for the full run, "base" for the larger target, "tiny" for a few-step
+    smoke run."""
+    if arg not in (None, "", "tiny", "base"):
+        raise ValueError(f"pretrain_target: unknown mode {arg!r}; use '', 'base' or 'tiny'")
     c = default_config()
     c.seed = 0
     c.model.preset = "small"  # 4 layers, d=256, 4 heads (2 kv), vocab 2048: 3.67M params
@@ -47,6 +56,14 @@ def get_config(arg: str | None = None):
 
     c.checkpoint.every = 100
     c.checkpoint.keep = 2
+
+    if arg == "base":
+        c.model.preset = "base50m"
+        c.model.overrides.vocab_size = 2048  # the embedded tokenizer: 38.8M parameters
+        c.train.num_steps = 600
+        c.optimizer.learning_rate = 1e-3  # a lower peak rate for the deeper, wider model (not tuned)
+        c.optimizer.warmup_steps = 40
+        c.checkpoint.every = 25  # hours on a CPU: resumable at a fine grain
 
     if arg == "tiny":
         c.model.preset = "tiny"
