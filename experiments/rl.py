@@ -4,7 +4,10 @@ Tunix runs GRPO (``GRPOLearner`` over an ``RLCluster``); rollouts go through
 :class:`specjax.rl.SpeculativeRollout` (the specjax engine with a frozen drafter, exact
 verification); the learner trains :class:`specjax.rl.TunixPolicy` (the specjax target, one copy of
 its weights). The reward is :mod:`specjax.rl.task`'s math correctness (+ optional format bonus).
-Configs and commands: ``experiments/configs/rl_grpo.py``.
+Configs and commands: ``experiments/configs/rl_grpo.py``. Besides ``rollout.jsonl`` (one line of
+rollout metrics per rollout), every reward function appends one line per training step to
+``rewards.jsonl``; with ``config.rl.speed_repeats`` > 0 the results also hold
+:func:`rollout_speed` of the final policy.
 """
 from __future__ import annotations
 
@@ -93,8 +96,10 @@ def run(config, workdir: str) -> dict:
     max_len = r.max_prompt_length + max(r.max_new_tokens, r.eval_max_new_tokens) + e.gamma + 2
     engine_config = EngineConfig(
         num_slots=e.num_slots, max_len=max_len, gamma=e.gamma, method=e.method,
-        prefill_buckets=(32, 128) if r.max_prompt_length > 32 else (32,),
-        scheduler=SchedulerConfig("fixed", k=e.gamma), overlap=e.overlap)
+        prefill_buckets=tuple(e.prefill_buckets) or
+        ((32, 128) if r.max_prompt_length > 32 else (32,)),
+        scheduler=SchedulerConfig("fixed", k=e.gamma), overlap=e.overlap,
+        filters=r.top_p < 1.0)  # no top-p: no sort over the vocabulary compiled into the loop
     rollout_config = RolloutConfig(
         max_tokens_to_generate=r.max_new_tokens, max_prompt_length=r.max_prompt_length,
         temperature=r.temperature, top_p=r.top_p, eos_tokens=[ttok.eos_id()], seed=config.seed)
@@ -126,7 +131,23 @@ def run(config, workdir: str) -> dict:
     def fmt(prompts, completions, **kw):
         return T.format_reward(prompts, completions, weight=config.task.format_reward)
 
-    rewards = [correct] + ([fmt] if config.task.format_reward else [])
+    calls = {}
+
+    def logged(fn):
+        """``fn`` that appends ``{"step", "reward", "mean", "n"}`` to rewards.jsonl per call (once
+        per training step: no evaluation rollouts go through the learner)."""
+        @functools.wraps(fn)  # Tunix names its reward metrics after the function
+        def wrapped(prompts, completions, **kw):
+            r = fn(prompts, completions, **kw)
+            step = start_step + calls.get(fn.__name__, 0)
+            calls[fn.__name__] = calls.get(fn.__name__, 0) + 1
+            with open(os.path.join(workdir, "rewards.jsonl"), "a") as f:
+                f.write(json.dumps({"step": step, "reward": fn.__name__,
+                                    "mean": float(sum(r)) / max(1, len(r)), "n": len(r)}) + "\n")
+            return r
+        return wrapped
+
+    rewards = [logged(correct)] + ([logged(fmt)] if config.task.format_reward else [])
     learner = GRPOLearner(rl_cluster=cluster, reward_fns=rewards, algo_config=GRPOConfig(
         num_generations=r.num_generations, num_iterations=1, beta=r.beta, epsilon=r.epsilon))
     start_step = int(cluster.actor_trainer.restored_global_step())
@@ -151,10 +172,64 @@ def run(config, workdir: str) -> dict:
                "heldout_accuracy_start": acc0, "heldout_accuracy_end": acc1,
                "n_heldout": len(heldout), "train_seconds": train_s,
                "devices": n_dev, "method": e.method, "gamma": e.gamma}
+    if r.speed_repeats:
+        batch = next(iter(T.batches(train, r.prompts_per_step, config.seed + 1, 1)))
+        prompts = [str(q) for q in batch["prompts"] for _ in range(r.num_generations)]
+        with mesh:
+            results["rollout_speed"] = rollout_speed(rollout, prompts, rollout_config,
+                                                     r.speed_repeats)
     with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     cluster.close()
     return results
+
+
+def rollout_speed(rollout, prompts, rollout_config, repeats: int) -> dict:
+    """Rollout tokens/s of ``prompts`` on the rollout's current weights: the speculative engine
+    (``rollout.generate``) against the plain decoder (:func:`specjax.models.generate.generate_timed`,
+    one jitted loop over the whole batch) at the same temperature and token budget.
+
+    One untimed call each first (compilation), then ``repeats`` timed calls each, alternating;
+    tokens are every generated token up to and including a stop token, for both; seconds are the
+    sampling alone for both (the speculative rollout's teacher-forced scoring pass, which gives the
+    learner its log-probs, is not included). Returns, per decoder, the per-call ``tokens`` and
+    ``seconds`` and the median ``tokens_per_s``. The speculative calls are recorded in
+    rollout.jsonl with mode "speed".
+    """
+    import numpy as np
+    from flax import nnx
+
+    from specjax.models.generate import generate_timed
+    rc = rollout_config
+    stops = list(rc.eos_tokens or [rollout.eos_id()])
+    if len(stops) != 1:
+        raise ValueError(f"rollout_speed: the plain decoder stops at one token, got {stops}")
+    model = nnx.merge(rollout.engine.graphdef, rollout.engine.target_state)
+
+    def spec():
+        rollout.generate(prompts, rc, mode="speed")
+        m = rollout.last_metrics
+        return m["tokens"], m["wall_s"]
+
+    def plain(seed):
+        t0 = time.perf_counter()
+        out = generate_timed(model, ids, rc.max_tokens_to_generate, temperature=rc.temperature,
+                             eos_id=stops[0], seed=seed, max_len=rollout.engine.config.max_len)
+        return sum(len(t) for t in out.tokens), time.perf_counter() - t0
+
+    spec()
+    ids = rollout.last_batch["prompts"]  # the token ids the engine was given
+    plain(0)
+    runs = {"speculative": [], "plain": []}
+    for i in range(repeats):
+        runs["speculative"].append(spec())
+        runs["plain"].append(plain(i + 1))
+    out = {"sequences": len(prompts), "max_new_tokens": rc.max_tokens_to_generate,
+           "temperature": rc.temperature, "repeats": repeats}
+    for name, rs in runs.items():
+        out[name] = {"tokens": [t for t, _ in rs], "seconds": [s for _, s in rs],
+                     "tokens_per_s": float(np.median([t / s for t, s in rs]))}
+    return out
 
 
 def main(argv) -> None:

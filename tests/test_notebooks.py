@@ -129,3 +129,37 @@ def test_drafter_quicktour_runs(tmp_path):
     out = _execute("drafter_quicktour.ipynb", tmp_path)
     assert "predicted 1 + sum prod alpha" in out
     assert os.path.exists(tmp_path / "eval" / "acceptance_per_position.png")
+
+
+@pytest.mark.xdist_group("rl")
+def test_04_rl_grpo(tmp_path):
+    pytest.importorskip("tunix", reason="tunix (the rl extra) is not installed")
+    out = _execute("04_rl_grpo.ipynb", tmp_path)
+    with open(tmp_path / "04_rl_grpo.json") as f:
+        res = json.load(f)
+    cfg, steps = res["config"], res["steps"]
+    g, new = cfg["gamma"], cfg["max_new_tokens"]
+    batch = cfg["prompts_per_step"] * cfg["num_generations"]
+    assert res["results"]["start_step"] == 0 and res["results"]["end_step"] == cfg["steps"] == 2
+    assert [s["step"] for s in steps] == list(range(cfg["steps"]))  # one rollout per step run
+    versions = [s["weights_version"] for s in steps]
+    assert all(a < b for a, b in zip(versions, versions[1:]))  # each step served updated weights
+    for s in steps:
+        assert s["sequences"] == batch and batch <= s["tokens"] <= batch * new, s
+        assert 0 <= s["accepted"] <= s["drafted"], s
+        assert math.isclose(s["acceptance"], s["accepted"] / s["drafted"]), s
+        assert math.isclose(s["tau"], (s["tokens"] - batch) / s["steps"]) and 1 <= s["tau"] <= g + 1
+        emitted = s["tokens"] - batch  # a verification step emits accepted + 1 tokens, fewer at a stop
+        assert emitted <= s["steps"] + s["accepted"] <= emitted + g * batch, s
+        assert set(s["reward"]) == {"correct", "fmt"}, s
+        assert all(r["n"] == batch and 0 <= r["mean"] <= 1 for r in s["reward"].values()), s
+    speed = res["results"]["rollout_speed"]
+    assert speed["sequences"] == batch and speed["max_new_tokens"] == new
+    for name in ("speculative", "plain"):
+        d = speed[name]
+        assert len(d["tokens"]) == len(d["seconds"]) == speed["repeats"] >= 1, name
+        assert all(batch <= t <= batch * new for t in d["tokens"]), name
+        rates = sorted(t / s for t, s in zip(d["tokens"], d["seconds"]))
+        assert rates[0] <= d["tokens_per_s"] <= rates[-1], name  # the median of the timed calls
+    assert "checks passed" in out
+    assert os.path.getsize(tmp_path / "04_rl_grpo.png") > 10_000

@@ -38,3 +38,9 @@ def test_tiny_grpo_runs_resumes_and_serves_fresh_weights(tmp_path):
     res2 = rl.run(config, str(tmp_path))
     assert res2["start_step"] == 2 and res2["end_step"] == 3
     assert len([m for m in _lines(tmp_path / "rollout.jsonl") if m["mode"] == "train"]) == 3
+    # one line per reward function and training step, numbered across the resume
+    rewards = _lines(tmp_path / "rewards.jsonl")
+    for name in ("correct", "fmt"):
+        lines = [x for x in rewards if x["reward"] == name]
+        assert [x["step"] for x in lines] == [0, 1, 2], name
+        assert all(x["n"] == 2 * 4 and 0 <= x["mean"] <= 1 for x in lines), name

@@ -15,7 +15,8 @@ seconds after compilation; used by the tests)::
 
 Re-running with the same workdir resumes from the newest Orbax checkpoint (Tunix's trainer
 restores the policy, the optimizer and the data position). Outputs: ``rollout.jsonl`` (one line of
-acceptance / τ / entropy / timing metrics per rollout), ``results.json`` (held-out accuracy before
+acceptance / τ / entropy / timing metrics per rollout), ``rewards.jsonl`` (mean reward per reward
+function and training step), ``results.json`` (held-out accuracy before
 and after), TensorBoard event files under ``tensorboard/`` and checkpoints under ``checkpoints/``.
 """
 import ml_collections
@@ -42,6 +43,9 @@ def get_config(arg: str | None = None):
     c.engine.gamma = 3
     c.engine.num_slots = 16
     c.engine.overlap = False  # False + a fixed draft length: acceptance per position is measured
+    # compiled prompt chunk sizes (longer prompts go in chunks of the largest); () = (32, 128), or
+    # (32,) for prompts of at most 32 tokens
+    c.engine.prefill_buckets = ()
 
     c.task = ml_collections.ConfigDict()
     c.task.problem_seed = 1234
@@ -62,6 +66,9 @@ def get_config(arg: str | None = None):
     c.rl.max_new_tokens = 64
     c.rl.checkpoint_every = 10
     c.rl.eval_max_new_tokens = 64
+    # > 0: after training, time this many speculative and plain rollouts of one batch
+    # (prompts_per_step x num_generations sequences) on the final policy (experiments.rl.rollout_speed)
+    c.rl.speed_repeats = 0
 
     if arg == "tiny":
         c.preset = "tiny"
@@ -69,6 +76,7 @@ def get_config(arg: str | None = None):
         c.task.n_heldout = 8
         c.engine.num_slots = 8
         c.engine.gamma = 2
+        c.engine.prefill_buckets = (32,)  # one prefill compilation (prompts go in 32-token chunks)
         c.rl.steps = 2
         c.rl.prompts_per_step = 2
         c.rl.num_generations = 4
