@@ -312,12 +312,14 @@ def main(argv=None):
     ap.add_argument("--out", default="benchmarks/results/spec_vs_plain.json")
     ap.add_argument("--md", default="", help="also write the docs table here")
     ap.add_argument("--png", default="", help="also write the speed-up plot here")
-    ap.add_argument("--quick", action="store_true", help="one cell, one rep")
+    ap.add_argument("--quick", action="store_true", help="one cell, one rep, one max_len in the sweep")
     args = ap.parse_args(argv)
     if args.quick:
         args.domains, args.batch, args.temperatures, args.reps = ["math"], [1], [0.0], 1
         args.new_tokens, args.max_len = 16, 128
-        args.sweep_max_len = [128, 256]
+        # the sweep's code path once, at the max_len above: its decoders reuse the cell's
+        # compiled programs (a second max_len would compile both plain decoders again)
+        args.sweep_max_len = [args.max_len]
     res = run(args)
     if args.sweep_max_len:
         from flax import nnx
