@@ -58,7 +58,7 @@ class Sizes:
 
 FULL = Sizes(tiny=False, head_steps=100, prompts_per_domain=2, prompt_len=32, new_tokens=128,
              reps=3, math_problems=64)
-TINY = Sizes(tiny=True, head_steps=4, prompts_per_domain=1, prompt_len=16, new_tokens=16, reps=3,
+TINY = Sizes(tiny=True, head_steps=4, prompts_per_domain=1, prompt_len=16, new_tokens=16, reps=1,
              math_problems=4)
 
 
