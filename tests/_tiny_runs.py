@@ -3,9 +3,9 @@ temporary directory (not a test module): a tiny target (``python -m experiments.
 DSpark drafter trained against it (``python -m experiments.train_drafter``). Every cache the
 subprocesses could write (``SPECJAX_*`` directories, matplotlib) points into that directory.
 
-Modules using :func:`tiny_runs` import it and share the xdist group ``"tiny_runs"``, so one worker
-builds the runs, once (each importing module gets its own fixture object, so the runs are kept in
-a module-level cache).
+Modules using :func:`tiny_runs` import it. The runs are built once per pytest run, whichever
+worker asks first (``_shared_once.py``); each importing module gets its own fixture object, so
+the result is also kept in a module-level cache.
 """
 import dataclasses
 import os
@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from _shared_once import build_once, compile_cache, compile_cache_env
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -26,9 +27,10 @@ DSPARK_FLAGS = ("--config.task.gamma=3", "--config.task.warm_start_loss=",
                 "--config.output.plot=False")
 
 
-def hermetic_env(base: pathlib.Path) -> dict:
+def hermetic_env(base: pathlib.Path, jax_cache: pathlib.Path = None) -> dict:
     """The environment for entry-point subprocesses: caches under ``base``, one CPU device, this
-    checkout's ``specjax`` first on the path."""
+    checkout's ``specjax`` first on the path. With ``jax_cache``, JAX's persistent compilation
+    cache there (see :func:`_shared_once.compile_cache`)."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                                 if "xla_force_host_platform_device_count" not in f)
@@ -37,6 +39,8 @@ def hermetic_env(base: pathlib.Path) -> dict:
                SPECJAX_QUICKSTART_DIR=str(base / "quickstart"),
                SPECJAX_NOTEBOOK_WORKDIR=str(base / "notebook"),
                PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p]))
+    if jax_cache is not None:
+        env.update(compile_cache_env(jax_cache))
     return env
 
 
@@ -64,12 +68,15 @@ _RUNS: list = []
 @pytest.fixture(scope="session")
 def tiny_runs(tmp_path_factory) -> TinyRuns:
     if not _RUNS:
-        _RUNS.append(_make_runs(tmp_path_factory.mktemp("tiny_runs")))
+        cache = compile_cache(tmp_path_factory)
+        base = build_once(tmp_path_factory, "tiny_runs",
+                          lambda b: _make_runs(b, hermetic_env(b, cache)))
+        _RUNS.append(TinyRuns(base, hermetic_env(base, cache), base / "target", base / "dspark",
+                              (base / "dspark_stdout.txt").read_text()))
     return _RUNS[0]
 
 
-def _make_runs(base: pathlib.Path) -> TinyRuns:
-    env = hermetic_env(base)
+def _make_runs(base: pathlib.Path, env: dict) -> None:
     target, dspark = base / "target", base / "dspark"
     run_module(env, "experiments.train", "--config",
                "experiments/configs/pretrain_target.py:tiny", "--workdir", target,
@@ -77,4 +84,4 @@ def _make_runs(base: pathlib.Path) -> TinyRuns:
     proc = run_module(env, "experiments.train_drafter", "--config",
                       "experiments/configs/train_drafter.py:dspark_markov,tiny",
                       "--config.task.target_workdir", target, "--workdir", dspark, *DSPARK_FLAGS)
-    return TinyRuns(base, env, target, dspark, proc.stdout)
+    (base / "dspark_stdout.txt").write_text(proc.stdout)

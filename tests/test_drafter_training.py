@@ -27,6 +27,7 @@ from specjax.training.drafter_task import DrafterTask, LossPhaseIterator
 
 sys.path.insert(0, os.path.dirname(__file__))
 import test_drafters_common as C  # noqa: E402  (the tiny sharp target of the drafter tests)
+from _shared_once import in_process_compile_cache  # noqa: E402
 
 CONFIG_OVERRIDES = dict(vocab_size=C.VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
                         num_heads=4, num_kv_heads=2, head_dim=8)
@@ -142,7 +143,14 @@ def _tree_equal(a, b):
     return all(jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.array_equal(x, y)), a, b)))
 
 
-def test_frozen_teacher_switch_and_resume(tmp_path):
+@pytest.fixture
+def reuse_compiles(tmp_path):
+    """The three runs below build the same programs: compiled once, loaded twice."""
+    with in_process_compile_cache(tmp_path / "jax_cache"):
+        yield
+
+
+def test_frozen_teacher_switch_and_resume(tmp_path, reuse_compiles):
     config = make_config(loss="tv", warm_start_loss="ce", switch_step=2)
     mesh = one_device_mesh()
 

@@ -7,13 +7,15 @@ import subprocess
 import sys
 
 import pytest
+from _shared_once import compile_cache, compile_cache_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.xdist_group("tiny_target")  # shares the cached tiny target with the notebook test
-def test_reproduce_tiny_fastest_path(tmp_path):
-    env = dict(os.environ)
+def test_reproduce_tiny_fastest_path(tmp_path, tmp_path_factory):
+    # the compilation cache of this test run: the warm start's programs serve the CE fine-tune
+    env = dict(os.environ, **compile_cache_env(compile_cache(tmp_path_factory)))
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                                 if "xla_force_host_platform_device_count" not in f)
     cmd = [sys.executable, "-m", "experiments.reproduce", "--mode", "tiny",

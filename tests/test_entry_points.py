@@ -9,6 +9,7 @@ import os
 
 import numpy as np
 import pytest
+from _shared_once import build_once
 from _tiny_runs import hermetic_env, run_module, tiny_runs  # noqa: F401  (session fixture)
 
 from specjax.training import tensorboard as tb
@@ -21,15 +22,18 @@ BENCH = pytest.mark.xdist_group("quick_benchmarks")
 
 
 @pytest.fixture(scope="session")
-def repro(tiny_runs):
+def repro(tiny_runs, tmp_path_factory):
     """``experiments.reproduce --mode tiny --parts dspark`` on the session's tiny target, made
-    smaller still: the DSpark-Markov drafter only, one step per drafter, 2 rows x 2 anchors."""
-    work, results = tiny_runs.base / "repro", tiny_runs.base / "repro_results"
-    run_module(tiny_runs.env, "experiments.reproduce", "--mode", "tiny", "--parts", "dspark",
-               "--workdir", work, "--results_dir", results, "--target_workdir", tiny_runs.target,
-               "--dspark_drafters", "dspark_markov", "--dspark_steps", 1, "--draft_lm_steps", 1,
-               "--dspark_eval_rows", 2, "--dspark_anchors", 2, timeout=900)
-    return work, results
+    smaller still: the DSpark-Markov drafter only, one step per drafter, 2 rows x 2 anchors. Run
+    once per pytest run (``_shared_once.py``), next to the tiny runs it reads."""
+    def build(base):
+        run_module(tiny_runs.env, "experiments.reproduce", "--mode", "tiny", "--parts", "dspark",
+                   "--workdir", base / "work", "--results_dir", base / "results",
+                   "--target_workdir", tiny_runs.target, "--dspark_drafters", "dspark_markov",
+                   "--dspark_steps", 1, "--draft_lm_steps", 1, "--dspark_eval_rows", 2,
+                   "--dspark_anchors", 2, timeout=900)
+    base = build_once(tmp_path_factory, "tiny_runs_repro", build)
+    return base / "work", base / "results"
 
 
 @TINY_RUNS

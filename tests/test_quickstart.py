@@ -1,10 +1,10 @@
 """`python -m experiments.quickstart --tiny` end to end, asserting on the numbers it writes.
 
 The run is a subprocess (a user's single CPU device, not the 8 fake devices of conftest.py) with
-the quickstart cache under this test session's temporary directory. The assertions are
-bookkeeping identities and ranges that hold for any model, so a tiny, barely trained target
-passes them while a broken pipeline (tokens lost or invented, acceptance counted wrong, a
-comparison against the wrong baseline, a cache that does not reuse) does not.
+every cache under a temporary directory of this test run, made once for all xdist workers. The
+assertions are bookkeeping identities and ranges that hold for any model, so a tiny, barely
+trained target passes them while a broken pipeline (tokens lost or invented, acceptance counted
+wrong, a comparison against the wrong baseline, a cache that does not reuse) does not.
 """
 import json
 import math
@@ -13,26 +13,30 @@ import subprocess
 import sys
 
 import pytest
+from _shared_once import build_once, compile_cache
+from _tiny_runs import hermetic_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _user_env():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                                if "xla_force_host_platform_device_count" not in f)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 @pytest.fixture(scope="module")
-def tiny_run():
-    proc = subprocess.run([sys.executable, "-m", "experiments.quickstart", "--tiny"], cwd=ROOT,
-                          env=_user_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out_dir = os.path.join(os.environ["SPECJAX_QUICKSTART_DIR"], "summary_tiny")
+def tiny_run(tmp_path_factory):
+    """The quickstart's tiny run, once per pytest run (``_shared_once.py``): its target, head and
+    summary under a directory of its own. Returns (summary, summary dir, stdout, environment)."""
+    cache = compile_cache(tmp_path_factory)
+
+    def build(base):
+        proc = subprocess.run([sys.executable, "-m", "experiments.quickstart", "--tiny"],
+                              cwd=ROOT, env=hermetic_env(base, cache), capture_output=True,
+                              text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        (base / "stdout.txt").write_text(proc.stdout)
+    base = build_once(tmp_path_factory, "quickstart_tiny", build)
+    env = hermetic_env(base, cache)
+    out_dir = os.path.join(env["SPECJAX_QUICKSTART_DIR"], "summary_tiny")
     with open(os.path.join(out_dir, "summary.json")) as f:
-        return json.load(f), out_dir, proc.stdout
+        s = json.load(f)
+    return s, out_dir, (base / "stdout.txt").read_text(), env
 
 
 def check_comparison(s: dict, sizes) -> None:
@@ -81,14 +85,14 @@ def check_comparison(s: dict, sizes) -> None:
 
 def test_tiny_quickstart_counts_add_up(tiny_run):
     from experiments import quickstart
-    s, _, stdout = tiny_run
+    s, _, stdout, _ = tiny_run
     assert s["tiny"] and s["sizes"]["head_steps"] == quickstart.TINY.head_steps
     check_comparison(s, quickstart.TINY)
     assert "speed-up" in stdout and "α per position" in stdout
 
 
 def test_tiny_quickstart_writes_the_summary_page(tiny_run):
-    s, out_dir, _ = tiny_run
+    s, out_dir, _, _ = tiny_run
     md = open(os.path.join(out_dir, "summary.md")).read()
     png = os.path.join(out_dir, "summary.png")
     with open(png, "rb") as f:
@@ -99,16 +103,16 @@ def test_tiny_quickstart_writes_the_summary_page(tiny_run):
     assert "![summary](summary.png)" in md
 
 
-def test_tiny_quickstart_head_is_cached_and_keyed(tiny_run):
+def test_tiny_quickstart_head_is_cached_and_keyed(tiny_run, monkeypatch):
     """The head is reused from the cache by a second call, and its key follows its config."""
     import dataclasses
 
     from experiments import quickstart
-    s, _, _ = tiny_run
+    s, _, _, env = tiny_run
+    monkeypatch.setenv("SPECJAX_QUICKSTART_DIR", env["SPECJAX_QUICKSTART_DIR"])
     target = quickstart._workdir(True)
-    # (whether this first call trained the head depends on what ran before it in this process:
-    # the tiny notebook builds the same head)
     assert s["target_workdir"] == target
+    assert not s["head_reused"]  # the run's cache started empty: it trained the head
     config = quickstart.head_config(quickstart.TINY, target)
     assert quickstart.head_workdir(config) == s["head_workdir"]
     wd, _, reused = quickstart.train_head(quickstart.TINY, target)
