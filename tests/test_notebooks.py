@@ -2,9 +2,8 @@
 tiny mode (``SPECJAX_NOTEBOOK_TINY=1``) and asserts on the numbers they produce.
 
 The kernel is a fresh process with one CPU device (a user's session, not the 8 fake devices of
-conftest.py), this checkout first on its path, and the caches of this test session (the tiny
-target and MTP head of the quickstart are shared with tests/test_quickstart.py when both run in
-the same process). Assertions are ranges and bookkeeping identities any model satisfies: a tiny,
+conftest.py), this checkout first on its path, and the caches of the test worker (notebooks run
+by the same worker share its tiny target and MTP head). Assertions are ranges and bookkeeping identities any model satisfies: a tiny,
 barely trained model passes them, a broken pipeline does not.
 """
 import json
