@@ -3,10 +3,10 @@ not once per xdist worker.
 
 Each xdist worker is its own process with its own session fixtures, and ``xdist_group`` marks do
 not keep a module's tests on one worker (pytest 9 with xdist 3.8 ignores them, even under
-``--dist loadgroup``), so a session fixture used by tests on both workers used to be built twice. :func:`build_once` builds under the directory
-all workers of one run share (the parent of each worker's base temp dir), behind a file lock: the
-first worker to arrive builds, the others wait and reuse. Without xdist it is the session's base
-temp dir.
+``--dist loadgroup``), so a session fixture used by tests on both workers used to be built
+twice. :func:`build_once` builds under the directory all workers of one run share (the parent
+of each worker's base temp dir), behind a file lock: the first worker to arrive builds, the others
+wait and reuse. Without xdist it is the session's base temp dir.
 
 The command-line runs of the tests also share JAX's persistent compilation cache
 (:func:`compile_cache`): a tiny target's train step, say, is compiled by the first subprocess that

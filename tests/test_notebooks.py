@@ -3,8 +3,9 @@ tiny mode (``SPECJAX_NOTEBOOK_TINY=1``) and asserts on the numbers they produce.
 
 The kernel is a fresh process with one CPU device (a user's session, not the 8 fake devices of
 conftest.py), this checkout first on its path, and the caches of the test worker (notebooks run
-by the same worker share its tiny target and MTP head). Assertions are ranges and bookkeeping identities any model satisfies: a tiny,
-barely trained model passes them, a broken pipeline does not.
+by the same worker share its tiny target and MTP head). Assertions are ranges and bookkeeping
+identities any model satisfies: a tiny, barely trained model passes them, a broken pipeline does
+not.
 """
 import json
 import math
