@@ -82,3 +82,27 @@ def in_process_compile_cache(path: pathlib.Path):
         for n, v in saved.items():
             jax.config.update(n, v)
         cc.reset_cache()
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """Yields a list that collects one entry per executable built inside the ``with``: an XLA
+    compile, or a load from the persistent compilation cache (the suite runs with one, see
+    conftest.py; a program traced again after warm-up is a defect either way)."""
+    built = []
+
+    def on_duration(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            built.append(("compiled", kw))
+
+    def on_event(event, **kw):
+        if event == "/jax/compilation_cache/cache_hits":
+            built.append(("cache_hit", kw))
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    jax.monitoring.register_event_listener(on_event)
+    try:
+        yield built
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_duration)
+        jax.monitoring.unregister_event_listener(on_event)

@@ -11,6 +11,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
@@ -33,3 +35,27 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(CACHE_ROOT, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_compilation_cache(tmp_path_factory):
+    """JAX's persistent compilation cache, one per pytest run, shared by both xdist workers and
+    every subprocess they start (entry points, notebooks: they inherit the environment).
+
+    Many tests build the same small programs again (a fresh Engine or Trainer jits new functions,
+    so JAX's in-memory cache misses); the persistent cache turns those rebuilds into loads. XLA
+    keys an entry on the whole program, its compile options and the XLA flags, so a hit is the
+    executable a fresh compile would build. Compile-count tests count cache loads too
+    (``_shared_once.count_compiles``)."""
+    from _shared_once import compile_cache, compile_cache_env
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    path = compile_cache(tmp_path_factory)
+    env = compile_cache_env(path)
+    os.environ.update(env)
+    jax.config.update("jax_compilation_cache_dir", env["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+    jax.config.update("jax_compilation_cache_max_size", int(env["JAX_COMPILATION_CACHE_MAX_SIZE"]))
+    cc.reset_cache()
+    yield path

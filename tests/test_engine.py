@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from _shared_once import count_compiles
 from scipy import stats
 
 from specjax.drafters import (DraftLMDrafter, DraftOutput, DSparkConfig, DSparkDrafter,
@@ -16,7 +17,6 @@ from specjax.engine import Engine, EngineConfig, Request
 from specjax.models import ModelConfig, init_model
 from specjax.models.config import ModelConfig as _MC
 from specjax.models.generate import generate
-from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import ForwardOutput
 from specjax.scheduling import SchedulerConfig, SPSProfile
 
@@ -353,14 +353,7 @@ def test_no_compilation_after_warmup(target, policy, loop):
     # a flat profile (verification costs the same at every bucket) makes the schedulers draft
     # whenever a confidence is positive, so the buckets used do not depend on the machine.
     engine.set_sps(SPSProfile(tuple(engine.buckets), (100.0,) * len(engine.buckets)))
-    compiles = []
-
-    def listener(event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(kw)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with count_compiles() as compiles:
         rng = np.random.default_rng(0)
         steps = 0
         while steps < 200:
@@ -375,8 +368,6 @@ def test_no_compilation_after_warmup(target, policy, loop):
                 steps += 1
             else:
                 engine.submit(Request(prompt=[1, 2, 3], max_new_tokens=5))
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     stats = engine.stats if loop == "host" else engine.loop_stats
     assert len({s.active for s in stats}) >= 3  # concurrency really changed
     if policy != "none" and loop == "host":  # plain decoding: always the smallest bucket

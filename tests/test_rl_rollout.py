@@ -30,6 +30,7 @@ from specjax.rl import SpeculativeRollout, TunixPolicy  # noqa: E402
 from specjax.rl.acceptance import position_acceptance  # noqa: E402
 from specjax.sampling import logits_to_probs  # noqa: E402
 from specjax.scheduling import SchedulerConfig  # noqa: E402
+from _shared_once import count_compiles  # noqa: E402
 from stats import chisquare_gof  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("rl")
@@ -141,19 +142,10 @@ def test_update_params_compiles_nothing():
                                   for t in out.tokens]))
     before = rollout.get_per_token_logps(prompts, comps)  # compiles the learner-side scoring
     new_state = nnx.state(TunixPolicy(new), nnx.Param)
-    compiles = []
-
-    def listener(event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(kw)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with count_compiles() as compiles:
         rollout.update_params(new_state)
         rollout.generate(["3 0 2", "1 1"] * 10, rc)
         after = rollout.get_per_token_logps(prompts, comps)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
     assert not np.allclose(np.asarray(before), np.asarray(after))  # the new weights are served
 
