@@ -129,7 +129,8 @@ def test_training_bench_cli(tmp_path):
                                               for x in r["rows"]} >= {("tv", 8, 512)}),
     ("benchmarks.model_step_cost", [],
      lambda r: [p["preset"] for p in r["presets"]] == ["tiny"]
-     and [v["K"] for v in r["presets"][0]["verify"]] == [1, 2]),
+     and [v["K"] for v in r["presets"][0]["verify"]] == [1, 2]
+     and [v["K"] for v in r["presets"][0]["device"]["verify"]] == [1, 2]),
     ("benchmarks.verify_throughput", ["--reps", 1],
      lambda r: r["reps"] == 1 and [x["B"] for x in r["results"]] == [1, 64]),
     ("benchmarks.serving", [], lambda r: set(r["closed_loop"]) == {"1", "4"}),
