@@ -50,7 +50,7 @@ def worker_compilation_cache(tmp_path_factory):
 
     Not one cache for the whole run shared with every subprocess: measured alone, two
     subprocess-heavy tests ran about 6 % slower with it (cold writes, few repeats across
-    processes), and the suite with it was not faster."""
+    processes), and the suite with it was not measurably faster."""
     from jax.experimental.compilation_cache import compilation_cache as cc
 
     path = tmp_path_factory.getbasetemp() / "jax_compile_cache_worker"
