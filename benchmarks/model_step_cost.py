@@ -81,47 +81,22 @@ def _timed_loop(graphdef, state, cache, tokens, *, vocab: int, steps: int):
     return (time.perf_counter() - t0) / steps, cache
 
 
-def _device_rows(graphdef, state, cache, prompt, *, vocab: int, max_k: int, reps: int,
-                 steps: int):
-    """Device-loop decode and verify(K) per-step times, loops interleaved like the host rows.
-    Returns (rows, decode per-step times, cache)."""
-    loop = functools.partial(_timed_loop, graphdef, state, vocab=vocab, steps=steps)
+def _interleaved_rows(timed_step, cache, prompt, *, max_k: int, reps: int):
+    """Decode and verify(K) per-step times for K = 1..max_k, decode and verify interleaved so
+    machine noise hits both alike. ``timed_step(cache, tokens) -> (seconds per step, cache)`` is
+    one loop's timer (host: one dispatch; device: one ``fori_loop``). Returns (rows, decode step
+    times, cache)."""
     decode_tok = prompt[:, :1]
-    _, cache = loop(cache, decode_tok)  # compile decode
+    _, cache = timed_step(cache, decode_tok)  # compile decode
     rows, decode_all = [], []
     for k in range(1, max_k + 1):
         verify_tok = prompt[:, :k + 1]
-        _, cache = loop(cache, verify_tok)  # compile verify(K)
+        _, cache = timed_step(cache, verify_tok)  # compile verify(K)
         dec, ver = [], []
         for _ in range(reps):
-            t, cache = loop(cache, decode_tok)
+            t, cache = timed_step(cache, decode_tok)
             dec.append(t)
-            t, cache = loop(cache, verify_tok)
-            ver.append(t)
-        decode_all += dec
-        rows.append({"K": k, "verify_ms": statistics.median(ver) * 1e3,
-                     "decode_ms_same_loop": statistics.median(dec) * 1e3,
-                     "ratio_to_decode": statistics.median(ver) / statistics.median(dec)})
-    return rows, decode_all, cache
-
-
-def _host_rows(graphdef, state, cache, prompt, *, context: int, max_k: int, reps: int):
-    """Host-loop decode and verify(K) step times, one ``cached_forward`` call per step, decode and
-    verify interleaved. Returns (rows, decode step times, cache)."""
-    # A host array: each rollback makes a fresh device buffer (the cache, lengths included, is
-    # donated to the next step).
-    lengths = np.full((prompt.shape[0],), context, np.int32)
-    decode_tok = prompt[:, :1]
-    _, cache = _timed(graphdef, state, cache, decode_tok, lengths)  # compile decode
-    rows, decode_all = [], []
-    for k in range(1, max_k + 1):
-        verify_tok = prompt[:, :k + 1]
-        _, cache = _timed(graphdef, state, cache, verify_tok, lengths)  # compile verify(K)
-        dec, ver = [], []
-        for _ in range(reps):
-            t, cache = _timed(graphdef, state, cache, decode_tok, lengths)
-            dec.append(t)
-            t, cache = _timed(graphdef, state, cache, verify_tok, lengths)
+            t, cache = timed_step(cache, verify_tok)
             ver.append(t)
         decode_all += dec
         rows.append({"K": k, "verify_ms": statistics.median(ver) * 1e3,
@@ -149,14 +124,18 @@ def bench_preset(name: str, *, batch: int, context: int, max_k: int, reps: int,
     cache = cached_forward(graphdef, state, prompt, cache).cache
     row = {"preset": name, "params": config.num_params(), "batch": batch, "context": context}
     if "host" in loops:
-        rows, decode_all, cache = _host_rows(graphdef, state, cache, prompt, context=context,
-                                             max_k=max_k, reps=reps)
+        # A host array: each rollback makes a fresh device buffer (the cache, lengths included, is
+        # donated to the next step).
+        lengths = np.full((batch,), context, np.int32)
+        rows, decode_all, cache = _interleaved_rows(
+            lambda c, tokens: _timed(graphdef, state, c, tokens, lengths), cache, prompt,
+            max_k=max_k, reps=reps)
         decode_s = statistics.median(decode_all)
         row.update(decode_ms=decode_s * 1e3, decode_tokens_per_s=batch / decode_s, verify=rows)
     if "device" in loops:
-        rows, decode_all, cache = _device_rows(graphdef, state, cache, prompt,
-                                               vocab=config.vocab_size, max_k=max_k, reps=reps,
-                                               steps=steps)
+        rows, decode_all, cache = _interleaved_rows(
+            functools.partial(_timed_loop, graphdef, state, vocab=config.vocab_size,
+                              steps=steps), cache, prompt, max_k=max_k, reps=reps)
         decode_s = statistics.median(decode_all)
         row["device"] = {"steps_per_loop": steps, "decode_ms": decode_s * 1e3,
                          "decode_tokens_per_s": batch / decode_s, "verify": rows}
