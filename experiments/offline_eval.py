@@ -97,9 +97,26 @@ def evaluate(drafters: Mapping[str, tuple], target, heldout: Mapping[str, tuple]
                 f"({time.perf_counter() - t0:.0f}s)")
         if pooled and len(heldout) > 1:  # all domains together (wider entropy range)
             for cell, by_dom in records[name].items():
-                rec = E.StepRecords.concat([by_dom[d] for d in heldout if d in by_dom])
+                rec = E.StepRecords.concat([by_dom[d] for d in heldout if d in by_dom],
+                                            distinct_rows=True)
                 results[name][cell]["all"] = E.summarize(rec)
     return results, records
+
+
+def split_halves(recs, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Indices ``(fit, score)`` into the concatenated steps of ``recs`` (a list of
+    :class:`~specjax.evaluation.StepRecords`, e.g. one per domain): half of the held-out rows each
+    when every record knows its rows (so no row's context is on both sides), otherwise half of the
+    steps each, at random."""
+    from specjax.evaluation import StepRecords
+    rng = np.random.default_rng(seed)
+    if all(r.row is not None for r in recs):
+        rows = StepRecords.concat(recs, distinct_rows=True).row
+        ids = rng.permutation(np.unique(rows))
+        in_fit = np.isin(rows, ids[: len(ids) // 2])
+        return np.flatnonzero(in_fit), np.flatnonzero(~in_fit)
+    perm = rng.permutation(sum(len(r.num_accepted) for r in recs))
+    return perm[: len(perm) // 2], perm[len(perm) // 2:]
 
 
 def calibration(records_cell: Mapping[str, object], out_dir: str, name: str, *,
@@ -107,7 +124,9 @@ def calibration(records_cell: Mapping[str, object], out_dir: str, name: str, *,
     """ECE per position before / after STS for one confidence drafter.
 
     ``records_cell``: ``{domain: StepRecords}`` of one cell (e.g. RS@1) with confidences. Anchors of
-    all domains are pooled, split at random into a fitting half and a scoring half.
+    all domains are pooled and split at random into a fitting half and a scoring half. When the
+    records know their held-out rows, the split is by row (every anchor of a row lands in the same
+    half), so that the scored half shares no context with the one STS was fitted on.
     """
     from specjax import calibration as C
     from specjax.evaluation import write_json
@@ -117,8 +136,7 @@ def calibration(records_cell: Mapping[str, object], out_dir: str, name: str, *,
     conf = np.concatenate([r.confidences for r in recs])
     acc = np.concatenate([r.accepted() for r in recs])
     logits = np.log(np.clip(conf, 1e-7, 1 - 1e-7)) - np.log1p(-np.clip(conf, 1e-7, 1 - 1e-7))
-    perm = np.random.default_rng(seed).permutation(len(logits))
-    fit, score = perm[: len(perm) // 2], perm[len(perm) // 2:]
+    fit, score = split_halves(recs, seed)
     sts = C.sequential_temperature_scaling(logits[fit], acc[fit], n_bins=n_bins)
     before = C.position_metrics(logits[score], acc[score], n_bins=n_bins)
     after = C.position_metrics(logits[score], acc[score], temperatures=sts.temperatures,

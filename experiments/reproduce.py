@@ -61,7 +61,7 @@ class Mode:
     max_docs: int = 0
     eval_rows: int = 48  # held-out rows per domain
     anchors: int = 8  # anchors per held-out row
-    seeds: int = 2
+    seeds: int = 3
     warm: int = 200  # CE warm-start steps (the head is well into training before TV takes over)
     fine: int = 100  # steps of each loss after the warm start (CE too: equal total budget)
     dspark_steps: int = 200
@@ -288,26 +288,60 @@ def _mean_se(values):
                              else float("nan"))
 
 
-def _pooled(by_domain: dict, d: str):
-    """The records of domain ``d`` (``"all"``: every domain's, concatenated)."""
-    from specjax.evaluation import StepRecords
-    if d != "all":
-        return by_domain.get(d)
-    parts = [by_domain[x] for x in DOMAINS if x in by_domain]
-    return StepRecords.concat(parts) if parts else None
+def _quadrature(*se) -> float:
+    """``sqrt(Σ se²)`` over the finite terms (nan when none is finite)."""
+    v = [x for x in se if x is not None and np.isfinite(x)]
+    return float(np.sqrt(np.sum(np.square(v)))) if v else float("nan")
 
 
-def bebop_table(results: dict, losses, seeds: int, records: Optional[dict] = None,
-                prefix: str = "bebop", ref: str = "ce") -> dict:
-    """Per loss and domain: RS@1 / TO@1 acceptance (accepted / γ), mean ± s.e. over seeds; Δ vs
-    the ``ref`` loss (default CE) of the same seed, with the s.e. over seeds (≥ 2 seeds) or else
-    the *paired* s.e. over the common anchors (every drafter is evaluated at the same held-out
-    anchors); entropy slopes."""
+def _rows_se(cells: list, ref_cells: Optional[list] = None) -> float:
+    """Row-clustered s.e. of the seed-pooled acceptance (accepted / γ) of ``cells`` (one
+    :func:`specjax.evaluation.summarize` dict per seed, all on the same held-out rows), or of its
+    difference to ``ref_cells`` (same seeds, rows and anchors: paired by row). Each row's accepted
+    drafts and steps are summed over the seeds; nan when a cell lacks ``per_row`` or the pairs'
+    anchors differ."""
+    from specjax.stats import clustered_ratio
+    y: dict = {}
+    n: dict = {}
+    for k, m in enumerate(cells):
+        pr = m.get("per_row")
+        if pr is None:
+            return float("nan")
+        g = len(m["acceptance"])
+        sub = None
+        if ref_cells is not None:
+            sub = ref_cells[k].get("per_row")
+            if sub is None or sub["row"] != pr["row"] or sub["steps"] != pr["steps"]:
+                return float("nan")
+        for i, r in enumerate(pr["row"]):
+            v = pr["accepted"][i] - (sub["accepted"][i] if sub is not None else 0)
+            y[r] = y.get(r, 0.0) + v / g
+            n[r] = n.get(r, 0.0) + pr["steps"][i]
+    if len(y) < 2:
+        return float("nan")
+    rows = sorted(y)
+    return clustered_ratio([y[r] for r in rows], [n[r] for r in rows])[1]
+
+
+def bebop_table(results: dict, losses, seeds: int, prefix: str = "bebop",
+                ref: str = "ce") -> dict:
+    """Per loss and domain: RS@1 / TO@1 acceptance (accepted / γ) and the Δ of RS@1 vs the
+    ``ref`` loss (default CE), means over seeds, and the entropy slopes.
+
+    Two sources of error are estimated and combined in quadrature (``*_se``; both are kept):
+
+    * ``*_se_seeds`` — the s.e. over seeds (training randomness; nan with one seed);
+    * ``*_se_rows`` — the held-out sample: the s.e. of the seed-pooled value clustered by
+      held-out row (the anchors of one row share its context), paired by row for Δ (every drafter
+      is evaluated at the same anchors).
+
+    Slopes: ``rs_slope_se`` combines the seed s.e. with the mean over seeds of each seed's
+    row-clustered slope s.e. (not divided by √seeds: the seeds share the rows)."""
     out = {}
     for loss in losses:
         row = {}
         for d in DOMAINS:
-            rs, to, delta, rs_se_within, paired_se = [], [], [], [], []
+            cells, ref_cells, to, delta, slope_se_rows = [], [], [], [], []
             slopes = {"RS": [], "TO": []}
             for s in range(seeds):
                 name = f"{prefix}_{loss}_s{s}"
@@ -315,37 +349,35 @@ def bebop_table(results: dict, losses, seeds: int, records: Optional[dict] = Non
                 if name not in results or d not in results[name].get("RS@1", {}):
                     continue
                 m = results[name]["RS@1"][d]
-                rs.append(m["accept_rate"])
-                rs_se_within.append(m["accept_rate_se"])
+                cells.append(m)
                 slopes["RS"].append(-m["entropy_fit"]["slope"])
+                slope_se_rows.append(m["entropy_fit"].get("slope_se_clustered", np.nan))
                 if "TO@1" in results[name]:
                     to.append(results[name]["TO@1"][d]["accept_rate"])
                     slopes["TO"].append(-results[name]["TO@1"][d]["entropy_fit"]["slope"])
-                if ce in results:
-                    delta.append(m["accept_rate"] - results[ce]["RS@1"][d]["accept_rate"])
-                    if records is not None and ce in records and name in records:
-                        a, b = (_pooled(records[n]["RS@1"], d) for n in (name, ce))
-                        if a is not None and b is not None and \
-                                a.num_accepted.shape == b.num_accepted.shape and \
-                                a.num_accepted.size > 1:
-                            diff = (a.num_accepted - b.num_accepted) / a.gamma
-                            paired_se.append(float(diff.std(ddof=1) / np.sqrt(diff.size)))
-            if not rs:
+                if ce in results and d in results[ce].get("RS@1", {}):
+                    ref_cells.append(results[ce]["RS@1"][d])
+                    delta.append(m["accept_rate"] - ref_cells[-1]["accept_rate"])
+            if not cells:
                 continue
-            rs_m, rs_se = _mean_se(rs)
-            if not np.isfinite(rs_se) and rs_se_within:
-                rs_se = float(rs_se_within[0])
-            d_m, d_se = _mean_se(delta)
-            d_paired = float(np.sqrt(np.mean(np.square(paired_se))) / np.sqrt(len(paired_se))) \
-                if paired_se else float("nan")
-            if not np.isfinite(d_se):
-                d_se = d_paired
-            row[d] = {"rs": rs_m, "rs_se": rs_se, "delta": d_m, "delta_se": d_se,
-                      "delta_se_paired": d_paired,
+            rs_m, rs_se_seeds = _mean_se([m["accept_rate"] for m in cells])
+            rs_se_rows = _rows_se(cells)
+            if len(cells) == 1 and not np.isfinite(rs_se_rows):  # old JSON: no per-row sums
+                rs_se_rows = float(cells[0]["accept_rate_se"])
+            d_m, d_se_seeds = _mean_se(delta)
+            d_se_rows = _rows_se(cells, ref_cells) if len(ref_cells) == len(cells) \
+                else float("nan")
+            sl_m, sl_se_seeds = _mean_se(slopes["RS"])
+            sl_rows = [x for x in slope_se_rows if x is not None and np.isfinite(x)]
+            row[d] = {"rs": rs_m, "rs_se": _quadrature(rs_se_seeds, rs_se_rows),
+                      "rs_se_seeds": rs_se_seeds, "rs_se_rows": rs_se_rows,
+                      "delta": d_m, "delta_se": _quadrature(d_se_seeds, d_se_rows),
+                      "delta_se_seeds": d_se_seeds, "delta_se_rows": d_se_rows,
                       "to": _mean_se(to)[0], "to_se": _mean_se(to)[1],
-                      "rs_slope": _mean_se(slopes["RS"])[0],
-                      "rs_slope_se": _mean_se(slopes["RS"])[1],
-                      "to_slope": _mean_se(slopes["TO"])[0], "n_seeds": len(rs)}
+                      "rs_slope": sl_m,
+                      "rs_slope_se": _quadrature(sl_se_seeds,
+                                                 float(np.mean(sl_rows)) if sl_rows else np.nan),
+                      "to_slope": _mean_se(slopes["TO"])[0], "n_seeds": len(cells)}
         out[loss] = row
     return out
 
@@ -387,7 +419,8 @@ def bebop_markdown(table: dict) -> str:
         lines.append(f"| {LOSS_NAMES.get(loss, loss)} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append("Entropy slopes b of α ≈ a − b·H (per nat; RS@1 and TO@1 per-draft acceptance "
-                 "probabilities vs target entropy, all verified positions; mean over seeds):\n")
+                 "probabilities vs target entropy, all verified positions; mean over seeds; RS "
+                 "± s.e. combining the seeds and the row-clustered fit):\n")
     lines.append("| | " + " | ".join(DOMAINS) + " |")
     lines.append("|---|" + "---|" * len(DOMAINS))
     if "ce" in table:
@@ -396,7 +429,9 @@ def bebop_markdown(table: dict) -> str:
     for loss in ("ce", "kl", "rkl", "tv", "e2e_tv", "tv_scratch", "e2e_tv_scratch"):
         if loss in table:
             lines.append(f"| RS + {LOSS_NAMES.get(loss, loss)} | " + " | ".join(
-                f(table[loss].get(d, {}).get("rs_slope", np.nan), 3) for d in DOMAINS) + " |")
+                "—" if d not in table[loss] else
+                f"{f(table[loss][d]['rs_slope'], 3)} ± {f(table[loss][d]['rs_slope_se'], 3)}"
+                for d in DOMAINS) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -534,11 +569,11 @@ def main(argv=None) -> dict:
                         title="MTP (γ=3) by training loss, seed 0")
         losses = list(mode.bebop_losses) + (["tv_scratch", "e2e_tv_scratch"] if args.extra
                                             else [])
-        table = bebop_table(res, losses, mode.seeds, recs)
+        table = bebop_table(res, losses, mode.seeds)
         summary["bebop"] = {"table": table, "results": res}
         summary["bebop_md"] = bebop_markdown(table)
         if "kl" in losses:  # Bebop's CE is the soft-label CE = KL + H(p): compare against KL too
-            table_kl = bebop_table(res, losses, mode.seeds, recs, ref="kl")
+            table_kl = bebop_table(res, losses, mode.seeds, ref="kl")
             summary["bebop"]["table_vs_kl"] = table_kl
             summary["bebop_md"] += ("\nAgainst forward KL (the soft-label CE of Bebop's "
                                     "baseline):\n\n" + bebop_delta_markdown(table_kl, "kl"))
@@ -617,8 +652,8 @@ def write_summary(summary: dict, workdir: str, args, mode: Mode, final: bool = T
           f"{t.get('target_pretrain_s', 0) / 60:.1f} min, cached = 0)\n"]
     if "bebop_md" in summary:
         md += ["## Bebop Table 2 analogue: MTP γ = 3, RS acceptance (accepted/γ, %) at T = 1\n",
-               "Δ vs CE in parentheses (± s.e. over seeds; with one seed the paired s.e. over "
-               "the common held-out anchors); "
+               "Δ vs CE in parentheses. ± = s.e. over seeds and s.e. of the held-out sample "
+               "(clustered by row; paired by row for Δ) combined in quadrature; "
                "TO = target-only acceptance at T = 1.\n", summary["bebop_md"]]
     if "dspark_md" in summary:
         md += ["## DSpark Table 1 analogue: τ (accepted + 1 per step), RS at T = 1\n",

@@ -27,12 +27,17 @@ Metrics (:func:`summarize`, all numpy):
   (same expectation, lower variance: given the prefix, the decision is Bernoulli(alpha)).
 * ``tau`` — mean emitted tokens per step = accepted + 1 (the bonus / correction token included),
   with its standard error; ``accept_rate`` = mean accepted / γ (= 1 − e2e-TV of the chain, Bebop's
-  "acceptance rate" of a γ-step MTP).
+  "acceptance rate" of a γ-step MTP). When the records know each step's held-out row (as
+  :func:`evaluate_drafter`'s do), these standard errors are clustered by row, since the anchors of
+  one row share its context (:mod:`specjax.stats`); the independent-step ones are kept as
+  ``tau_se_iid`` / ``accept_rate_se_iid``, and ``per_row`` holds each row's steps and accepted
+  drafts, so that paired and pooled errors can be recomputed from the JSON.
 * ``tau_pred`` — ``1 + Σ_j Π_{i≤j} alpha_i`` (Bebop eq. 12 + the bonus) from the measured alphas;
   the gap to ``tau`` is the correlation of acceptance across positions within a step (easy contexts
   accept everything), which the product of marginals ignores.
 * ``entropy_fit`` — least-squares line ``alpha ≈ a − b·H`` over all (step, position) pairs that were
-  verified (Bebop §3, eq. 5 / 9), with the slope's standard error, r and n; ``entropy_bins`` —
+  verified (Bebop §3, eq. 5 / 9), with the slope's standard error (and ``slope_se_clustered``, by
+  row, when rows are known), r and n; ``entropy_bins`` —
   mean acceptance per entropy bin (for the plot).
 
 The math helpers are plain numpy and tested on hand-computable cases (tests/test_evaluation.py).
@@ -59,6 +64,7 @@ from specjax.drafters.mtp import MTPState
 from specjax.drafters.ngram import NGramState
 from specjax.models.kv_cache import KVCache, init_cache
 from specjax.models.transformer import apply
+from specjax.stats import cluster_sums, clustered_ratio, clustered_slope_se
 from specjax.verify import greedy_verify, rejection_sample, target_only_sample
 
 __all__ = [
@@ -116,18 +122,22 @@ def expected_tau(alpha) -> np.ndarray:
     return 1.0 + np.cumprod(a, axis=-1).sum(axis=-1)
 
 
-def linear_fit(x, y) -> dict:
+def linear_fit(x, y, clusters=None) -> dict:
     """Ordinary least squares ``y ≈ intercept + slope·x`` with standard errors.
 
     Returns ``{"slope", "intercept", "slope_se", "intercept_se", "r", "n"}`` (NaNs when fewer than
     3 points or no spread in x). The slope equals ``numpy.polyfit(x, y, 1)[0]``;
-    ``slope_se = sqrt(Σ residual² / (n − 2) / Σ (x − x̄)²)``.
+    ``slope_se = sqrt(Σ residual² / (n − 2) / Σ (x − x̄)²)`` treats the points as independent.
+    With ``clusters`` (``[N]`` ids, e.g. the held-out row of each point) the result also holds
+    ``slope_se_clustered``, the cluster-robust s.e. of :func:`specjax.stats.clustered_slope_se`.
     """
     x = np.asarray(x, np.float64).reshape(-1)
     y = np.asarray(y, np.float64).reshape(-1)
     n = x.size
     out = {"slope": float("nan"), "intercept": float("nan"), "slope_se": float("nan"),
            "intercept_se": float("nan"), "r": float("nan"), "n": int(n)}
+    if clusters is not None:
+        out["slope_se_clustered"] = clustered_slope_se(x, y, clusters)
     if n < 3:
         return out
     xm, ym = x.mean(), y.mean()
@@ -179,7 +189,9 @@ class StepRecords:
 
     num_accepted: int ``[N]``; accept_prob, tv, entropy, entropy_raw: float ``[N, γ]`` (analytic
     acceptance probability of each draft given its drafted prefix, TV(p_k, q_k), entropy of the
-    verifier's p_k and of the temperature-1 target); confidences: ``[N, γ]`` or None.
+    verifier's p_k and of the temperature-1 target); confidences: ``[N, γ]`` or None; row: int
+    ``[N]``, the held-out row each step's anchor came from (the cluster for standard errors:
+    anchors of one row share its context), or None.
     """
 
     num_accepted: np.ndarray
@@ -188,18 +200,30 @@ class StepRecords:
     entropy: np.ndarray
     entropy_raw: np.ndarray
     confidences: Optional[np.ndarray] = None
+    row: Optional[np.ndarray] = None
 
     @property
     def gamma(self) -> int:
         return self.accept_prob.shape[1]
 
     @staticmethod
-    def concat(parts: Sequence["StepRecords"]) -> "StepRecords":
+    def concat(parts: Sequence["StepRecords"], distinct_rows: bool = False) -> "StepRecords":
+        """The steps of ``parts`` in order. ``distinct_rows``: the parts come from different row
+        sets (e.g. domains), so their row ids are offset to stay distinct clusters; otherwise
+        (chunks of one row set) they are kept as they are."""
         conf = None if parts[0].confidences is None else \
             np.concatenate([p.confidences for p in parts])
+        row = None
+        if all(p.row is not None for p in parts):
+            rows, offset = [], 0
+            for p in parts:
+                rows.append(np.asarray(p.row, np.int64) + offset)
+                if distinct_rows and p.row.size:
+                    offset = int(rows[-1].max()) + 1
+            row = np.concatenate(rows)
         return StepRecords(*(np.concatenate([getattr(p, f) for p in parts])
                              for f in ("num_accepted", "accept_prob", "tv", "entropy",
-                                       "entropy_raw")), confidences=conf)
+                                       "entropy_raw")), confidences=conf, row=row)
 
     def reached(self) -> np.ndarray:
         """bool ``[N, γ]``: draft k was verified with drafts < k accepted."""
@@ -229,11 +253,23 @@ def summarize(rec: StepRecords, *, entropy_edges=ENTROPY_EDGES, raw_entropy: boo
     h = (rec.entropy_raw if raw_entropy else rec.entropy)[reached]
     y = rec.accept_prob[reached]
     y_ind = rec.accepted()[reached].astype(np.float64)
+    rate_se = float(a.std(ddof=1) / g / math.sqrt(n)) if n > 1 else float("nan")
+    extra, pair_rows = {}, None
+    if rec.row is not None and n:
+        # anchors of one row share its context: the s.e. are clustered by row, and the per-row
+        # sums are kept so that paired and seed-pooled errors can be recomputed from the JSON
+        ids, acc_sum, steps = cluster_sums(a, rec.row)
+        extra = {"tau_se_iid": tau_se, "accept_rate_se_iid": rate_se, "n_rows": int(ids.size),
+                 "per_row": {"row": ids.tolist(), "steps": steps.astype(int).tolist(),
+                             "accepted": acc_sum.astype(int).tolist()}}
+        tau_se = clustered_ratio(acc_sum, steps)[1]
+        rate_se = tau_se / g
+        pair_rows = np.broadcast_to(np.asarray(rec.row)[:, None], reached.shape)[reached]
     return {
         "n_steps": int(n),
         "tau": tau, "tau_se": tau_se,
         "accept_rate": float(a.mean() / g) if n else float("nan"),
-        "accept_rate_se": float(a.std(ddof=1) / g / math.sqrt(n)) if n > 1 else float("nan"),
+        "accept_rate_se": rate_se,
         "acceptance": acc.tolist(), "reached": reached_n.tolist(),
         "alpha": alpha.tolist(),
         "tau_pred": float(expected_tau(np.nan_to_num(alpha))),
@@ -242,9 +278,10 @@ def summarize(rec: StepRecords, *, entropy_edges=ENTROPY_EDGES, raw_entropy: boo
         "tv_1": float(rec.tv[:, 0].mean()) if n else float("nan"),
         "entropy": ent_pos.tolist(),
         "entropy_mean": float(h.mean()) if h.size else float("nan"),
-        "entropy_fit": linear_fit(h, y),
-        "entropy_fit_indicator": linear_fit(h, y_ind),
+        "entropy_fit": linear_fit(h, y, pair_rows),
+        "entropy_fit_indicator": linear_fit(h, y_ind, pair_rows),
         "entropy_bins": binned_means(h, y, entropy_edges),
+        **extra,
     }
 
 
@@ -429,6 +466,8 @@ def evaluate_drafter(target, drafter, params, frozen, tokens, lengths, *, gamma:
             ln = np.concatenate([ln, np.ones(pad, np.int32)])
             an = np.concatenate([an, np.full((pad, anchors_per_row), -1, np.int32)])
         valid = an.reshape(-1) >= 0
+        row_of_step = np.repeat(np.pad(sel, (0, rows_per_chunk - len(sel)), constant_values=-1),
+                                anchors_per_row)
         if not valid.any():
             continue
         cache, state, anchor_tok = prefix_states(
@@ -446,7 +485,8 @@ def evaluate_drafter(target, drafter, params, frozen, tokens, lengths, *, gamma:
                 entropy=np.asarray(out["entropy"], np.float64)[valid],
                 entropy_raw=np.asarray(out["entropy_raw"], np.float64)[valid],
                 confidences=(np.asarray(out["confidences"], np.float64)[valid]
-                             if "confidences" in out else None)))
+                             if "confidences" in out else None),
+                row=row_of_step[valid]))
     return {cell: StepRecords.concat(p) for cell, p in parts.items() if p}
 
 

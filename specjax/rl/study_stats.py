@@ -2,43 +2,16 @@
 Bebop's eq. 16 decomposition of an acceptance change. Pure functions of numpy arrays.
 
 Tokens of one sequence are correlated (one prompt, one stretch of text, shared draft chains), so a
-per-token mean's error is computed with the sequence as the cluster: the ratio estimator
-``r = Σ_g y_g / Σ_g n_g`` over clusters ``g`` (``y_g`` a sum over the cluster's tokens, ``n_g``
-its token count) has the linearised cluster-robust variance
-
-    Var(r) ≈ G / (G − 1) · Σ_g (y_g − r n_g)² / (Σ_g n_g)²,
-
-which reduces to the usual ``s / sqrt(n)`` (with the ``n / (n − 1)`` correction) when every cluster
-holds one token.
+per-token mean's error is computed with the sequence as the cluster (:func:`clustered_ratio`, from
+:mod:`specjax.stats`, which states the estimator).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from specjax.stats import clustered_ratio  # noqa: F401  (re-exported: the study's s.e.)
+
 __all__ = ["clustered_ratio", "ols_slope", "decompose_delta_alpha", "mean_se"]
-
-
-def clustered_ratio(sums, counts) -> tuple[float, float]:
-    """``(ratio, clustered s.e.)`` of ``Σ sums / Σ counts``.
-
-    Args:
-      sums: ``[G]`` per-cluster sums of the quantity (e.g. accepted drafts of one sequence).
-      counts: ``[G]`` per-cluster denominators (e.g. drafts verified), > 0 in total.
-    Returns:
-      The ratio and its cluster-robust standard error (nan when G < 2).
-    """
-    y = np.asarray(sums, np.float64).ravel()
-    n = np.asarray(counts, np.float64).ravel()
-    if y.shape != n.shape:
-        raise ValueError(f"sums and counts differ in shape: {y.shape} vs {n.shape}")
-    if n.sum() <= 0 or np.any(n < 0):
-        raise ValueError("counts must be >= 0 with a positive total")
-    r = y.sum() / n.sum()
-    g = y.size
-    if g < 2:
-        return float(r), float("nan")
-    var = g / (g - 1) * np.sum((y - r * n) ** 2) / n.sum() ** 2
-    return float(r), float(np.sqrt(var))
 
 
 def mean_se(values) -> tuple[float, float]:
