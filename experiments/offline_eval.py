@@ -119,6 +119,22 @@ def split_halves(recs, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return perm[: len(perm) // 2], perm[len(perm) // 2:]
 
 
+def save_traces(records_cell: Mapping[str, object], path: str) -> None:
+    """Writes one cell's per-step outcomes as a compressed ``.npz`` (what a scheduling simulator
+    replays): per domain ``<d>/num_accepted`` int16 ``[N]``, ``<d>/row`` int32 ``[N]`` and, for
+    drafters with a confidence head, ``<d>/confidences`` float16 ``[N, γ]``. The drafts were all
+    verified, so verifying only the first ℓ would have accepted ``min(num_accepted, ℓ)``."""
+    arrays = {}
+    for d, r in records_cell.items():
+        arrays[f"{d}/num_accepted"] = np.asarray(r.num_accepted, np.int16)
+        if r.row is not None:
+            arrays[f"{d}/row"] = np.asarray(r.row, np.int32)
+        if r.confidences is not None:
+            arrays[f"{d}/confidences"] = np.asarray(r.confidences, np.float16)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    np.savez_compressed(path, **arrays)
+
+
 def calibration(records_cell: Mapping[str, object], out_dir: str, name: str, *,
                 n_bins: int = 15, seed: int = 0) -> dict:
     """ECE per position before / after STS for one confidence drafter.

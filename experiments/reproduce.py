@@ -627,6 +627,7 @@ def main(argv=None) -> dict:
             for name in res:
                 if "markov" in name or "rnn" in name:
                     cal[name] = OE.calibration(recs[name]["RS@1"], out, name)
+                    OE.save_traces(recs[name]["RS@1"], os.path.join(out, f"traces_{name}.npz"))
         timings["eval_dspark_s"] = time.perf_counter() - t0
         table = dspark_table(res_all, labels, mode.dspark_gammas)
         summary["dspark"] = {"table": table, "results": res_all, "calibration": cal}
@@ -678,7 +679,7 @@ def write_summary(summary: dict, workdir: str, args, mode: Mode, final: bool = T
         shutil.copy(os.path.join(workdir, "summary.json"), dest)
         for root, _, files in os.walk(os.path.join(workdir, "results")):
             for fn in files:
-                if fn.endswith((".md", ".json", ".png")):
+                if fn.endswith((".md", ".json", ".png", ".npz")):
                     rel = os.path.relpath(os.path.join(root, fn), os.path.join(workdir, "results"))
                     os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
                     shutil.copy(os.path.join(root, fn), os.path.join(dest, rel))

@@ -145,3 +145,14 @@ def test_calibration_halves_split_by_row():
     recs[0].row = recs[1].row = None
     fit, score = split_halves(recs, seed=3)
     assert (len(fit), len(score)) == (25, 25)
+
+
+def test_saved_traces_round_trip(tmp_path):
+    from experiments.offline_eval import save_traces
+    rec = _records([0, 2, 1], [4, 4, 5])
+    rec.confidences = np.array([[0.5, 0.25], [0.75, 0.5], [1.0, 0.125]])
+    save_traces({"math": rec}, str(tmp_path / "t.npz"))
+    z = np.load(tmp_path / "t.npz")
+    np.testing.assert_array_equal(z["math/num_accepted"], [0, 2, 1])
+    np.testing.assert_array_equal(z["math/row"], [4, 4, 5])
+    np.testing.assert_array_equal(z["math/confidences"], rec.confidences)  # exact in float16
