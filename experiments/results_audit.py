@@ -3,10 +3,11 @@
     python -m experiments.results_audit [--dir experiments/results/full]
 
 Prints (1) how many cells' measured τ misses the predicted E[τ] = 1 + Σ_j Π_{i≤j} α_i by more
-than 0.05, per results file, with the worst miss; (2) per confidence head, the survival ECE
-(prefix product a_k against "drafts 1..k all accepted", the quantity STS fits and the scheduler
-uses) and the conditional ECE (c_k against "draft k accepted" given the prefix was, the head's
-stated meaning), before / after STS, on the scored and on the fitting half.
+than 0.05, per results file, with the worst miss; (2) how much wider the row-clustered standard
+errors of τ are than the ones that treat every step as independent; (3) per confidence head, the
+survival ECE (prefix product a_k against "drafts 1..k all accepted", the quantity STS fits and the
+scheduler uses) and the conditional ECE (c_k against "draft k accepted" given the prefix was, the
+head's stated meaning), before / after STS, on the scored and on the fitting half.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import argparse
 import glob
 import json
 import os
+import statistics
 
 TOLERANCE = 0.05
 
@@ -33,6 +35,17 @@ def tau_misses(results: dict, tolerance: float = TOLERANCE) -> tuple[int, int, f
     return sum(e > tolerance for e, _ in rows), len(rows), worst[0], worst[1]
 
 
+def se_ratios(results: dict) -> list:
+    """Per cell with both: the row-clustered s.e. of τ over the independent-steps one."""
+    out = []
+    for drafter, rules in results.items():
+        for rule, domains in rules.items():
+            for domain, m in domains.items():
+                if m.get("tau_se_iid") and m.get("tau_se") is not None:
+                    out.append(m["tau_se"] / m["tau_se_iid"])
+    return sorted(out)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default=os.path.join("experiments", "results", "full"))
@@ -49,6 +62,15 @@ def main(argv=None) -> None:
         sub = {k: v for k, v in summary["bebop"]["results"].items() if k.endswith(seed)}
         miss, n, worst, where = tau_misses(sub)
         print(f"  bebop {seed}: {miss} of {n} cells miss; worst {worst:.3f} ({where})")
+
+    print("\n## row-clustered vs independent-steps s.e. of τ (ratio per cell)")
+    for name, results in sources.items():
+        r = se_ratios(results)
+        if r:
+            print(f"{name}: median {statistics.median(r):.2f}, range {min(r):.2f}-{max(r):.2f} "
+                  f"over {len(r)} cells")
+        else:
+            print(f"{name}: no per-row results (older JSON)")
 
     print("\n## ECE per position, % (survival | conditional), before -> after STS")
     for path in sorted(glob.glob(os.path.join(args.dir, "dspark_g*", "calibration_*.json"))):

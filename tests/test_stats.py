@@ -135,7 +135,8 @@ def test_calibration_halves_split_by_row():
     domain) has anchors on both sides, and every step lands in exactly one half."""
     from experiments.offline_eval import split_halves
     rows_a = np.repeat(np.arange(9), np.arange(1, 10))  # row r holds r + 1 anchors
-    recs = [_records(np.zeros(rows_a.size, int), rows_a), _records(np.zeros(5, int), [0, 0, 1, 2, 2])]
+    recs = [_records(np.zeros(rows_a.size, int), rows_a),
+            _records(np.zeros(5, int), [0, 0, 1, 2, 2])]
     fit, score = split_halves(recs, seed=3)
     all_rows = E.StepRecords.concat(recs, distinct_rows=True).row
     assert sorted(np.concatenate([fit, score]).tolist()) == list(range(all_rows.size))
