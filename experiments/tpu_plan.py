@@ -10,8 +10,9 @@ HBM), FLOPs and bytes, a roofline step time and, for training, an MFU estimate (
         --config.model.preset qwen3-0.6b --topology v5e:2x2 --programs train
 
 ``--programs`` picks from ``train`` (the config's train step: LM or drafter), ``engine`` (the serving
-engine's draft / verification / prefill steps for the config's target and drafter,
-tensor-parallel over ``gcd(chips, KV heads)`` chips, replicated over the rest) and ``rejection``
+engine's draft / verification / prefill steps and its device loop, for the config's target and
+drafter, tensor-parallel over ``gcd(chips, KV heads)`` chips, replicated over the rest) and
+``rejection``
 (the Pallas rejection sampler). ``--fit`` halves the sequence of a train step that does not fit
 until one does (at most ``--fit_tries`` times) and reports every attempt.
 

@@ -75,7 +75,7 @@ def test_engine_device_steps_compile_tensor_parallel():
     programs = aot.engine_steps(get_preset("tiny", num_kv_heads=4), task, mesh, shapes)
     names = [p.name for p in programs]
     assert names == ["engine.draft", "engine.verify[N=8]", "engine.verify[N=16]",
-                     "engine.prefill[C=16]"]
+                     "engine.prefill[C=16]", "engine.loop[production, 16 steps]"]
     for p in programs:
         r = _compile(p, mesh)
         assert r.fits and r.mesh["tensor"] == 4

@@ -4,7 +4,8 @@
   pretraining or drafter training with the frozen target sharded by the same logical rules),
   lowered from the trainer's abstract state: nothing is allocated, the target is never loaded.
 * :func:`engine_steps` — the serving engine's device steps (draft, flattened verification per
-  token bucket, prefill), tensor-parallel: target weights by the logical rules over the mesh's
+  token bucket, prefill, and the device loop that runs many draft-verify steps in one
+  ``lax.while_loop`` under a policy), tensor-parallel: target weights by the logical rules over the mesh's
   ``tensor`` axis, the KV cache ``[L, S, max_len, KVH, Dh]`` over its KV heads.
 * :func:`rejection_kernel` — the Pallas rejection sampler (``backend="mosaic_tpu"``) under
   ``shard_map``, rows split over every device.
@@ -110,19 +111,32 @@ def train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> Program:
 # ------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class EngineShapes:
-    """Static shapes of the engine's compiled steps."""
+    """Static shapes of the engine's compiled steps.
+
+    loop_steps: steps per call of the device loop (``EngineConfig.loop_steps``); 0 leaves the
+    loop out. loop_policy: the policy compiled into it (any of
+    :data:`specjax.scheduling.POLICIES` but "retrospective"; "production" is the largest).
+    """
 
     num_slots: int = 8
     max_len: int = 512
     gamma: int = 4
     buckets: Sequence[int] = (8, 40)
     prefill_chunk: int = 64
+    loop_steps: int = 16
+    loop_policy: str = "production"
 
 
 def _engine_device_fns():
     """The engine's jitted device steps (one place to change when the engine's steps move)."""
     from specjax.engine import steps
     return steps.draft_step, steps.verify_step, steps.prefill_step
+
+
+def _engine_loop():
+    """The engine's device loop: its jitted ``run_loop``, ``LoopSpec`` and state constructor."""
+    from specjax.engine import device_loop
+    return device_loop.run_loop, device_loop.LoopSpec, device_loop.init_loop_state
 
 
 def engine_steps(target_config: ModelConfig, task_config: ml_collections.ConfigDict, mesh: Mesh,
@@ -202,7 +216,35 @@ def engine_steps(target_config: ModelConfig, task_config: ml_collections.ConfigD
             graphdef, t_abs, drafter, d_abs, frozen, state_abs, rep((s, c), jnp.int32),
             rep((s,), jnp.int32), rep((s,), jnp.bool_), rep((s,), jnp.int32),
             rep((s,), jnp.bool_), keys, sampling, max_len=max_len, gamma=gamma)))
+    if shapes.loop_steps:
+        programs.append(_loop_program(shapes, graphdef, t_abs, drafter, d_abs, frozen, state_abs,
+                                      sampling, key, rep, mesh, common))
     return programs
+
+
+def _loop_program(shapes: EngineShapes, graphdef, t_abs, drafter, d_abs, frozen, state_abs,
+                  sampling, key, rep, mesh, common) -> Program:
+    """The device loop (``loop_steps`` draft-verify steps per call under ``loop_policy``) on the
+    same sharded state as the single steps; its small carry fields are replicated.
+
+    XLA's cost analysis counts a loop body once, so the report's FLOPs and bytes are those of one
+    step of the loop (``loop_multiplier`` stays 1: the trip count depends on the data)."""
+    run_loop, loop_spec, init_state = _engine_loop()
+    s, gamma = shapes.num_slots, shapes.gamma
+    spec = loop_spec(policy=shapes.loop_policy, gamma=gamma, buckets=tuple(shapes.buckets),
+                     method="rejection", max_steps=shapes.loop_steps)
+    carry = jax.eval_shape(lambda dev: init_state(dev, s, gamma, spec.out_len), state_abs)
+    loop_abs = carry._replace(dev=state_abs, **{
+        f: replicated_like(getattr(carry, f), mesh) for f in carry._fields if f != "dev"})
+    b_max = max(shapes.buckets)
+    return Program(
+        name=f"engine.loop[{shapes.loop_policy}, {shapes.loop_steps} steps]",
+        shapes=dict(common, policy=shapes.loop_policy, loop_steps=shapes.loop_steps,
+                    buckets=list(shapes.buckets)),
+        lower=lambda: run_loop.lower(
+            graphdef, t_abs, drafter, d_abs, frozen, loop_abs, sampling, rep((s,), jnp.uint32),
+            rep((s, 2), jnp.int32), rep((b_max + 1,), jnp.float32),
+            rep((b_max + 1,), jnp.float32), key, rep((), jnp.bool_), spec=spec))
 
 
 # ------------------------------------------------------------------------------------------------
