@@ -12,9 +12,8 @@ HBM), FLOPs and bytes, a roofline step time and, for training, an MFU estimate (
 ``--programs`` picks from ``train`` (the config's train step: LM or drafter), ``engine`` (the serving
 engine's draft / verification / prefill steps and its device loop, for the config's target and
 drafter, tensor-parallel over ``gcd(chips, KV heads)`` chips, replicated over the rest) and
-``rejection``
-(the Pallas rejection sampler). ``--fit`` halves the sequence of a train step that does not fit
-until one does (at most ``--fit_tries`` times) and reports every attempt.
+``rejection`` (the Pallas rejection sampler). ``--fit`` halves the sequence of a train step that
+does not fit until one does (at most ``--fit_tries`` times) and reports every attempt.
 
 ``--table`` compiles the documented grid instead (Qwen3-0.6B / 4B / 8B targets x MTP / DSpark
 drafters x v5e-8 / v5e-256 / v5p-64 / v6e-16, configs of ``experiments/configs/tpu_pod.py``), the
