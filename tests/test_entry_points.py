@@ -69,7 +69,8 @@ def test_reproduce_dspark_part_tiny(repro):
             assert 1.0 <= m["tau"] <= 8.0, (label, cell, m)  # accepted + 1 per step, γ = 7
     assert "dspark_markov_g7" in summary["dspark"]["calibration"]
     for name in ("summary.md", "summary.json", "dspark_g7/results.json",
-                 "dspark_g7/calibration_dspark_markov_g7.json"):
+                 "dspark_g7/calibration_dspark_markov_g7.json",
+                 "dspark_g7/traces_dspark_markov_g7.npz"):
         assert (results / name).exists(), name
     # every drafter run of the driver wrote its event file
     for run in ("dspark_markov_g7", "draft_lm"):

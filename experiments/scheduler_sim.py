@@ -1,0 +1,232 @@
+r"""DSpark's verification policies at TPU economics, by simulation (labelled as such everywhere).
+
+SPS(B) comes from the TPU-compiled verification step of a real target by roofline (compiled on
+this machine with libtpu, :mod:`specjax.aot`); the drafter's behaviour comes from the per-step
+traces that ``experiments.reproduce`` records for the DSpark heads. :mod:`specjax.sched_sim`
+replays those traces through each policy at each concurrency::
+
+    python -m experiments.scheduler_sim --target qwen3-8b --topology v5p-8 --slots 64 \
+        --max_len 2048 --buckets 16,64,128,256,512 \
+        --traces experiments/results/full/dspark_g7/traces_dspark_markov_g7.npz \
+        --out experiments/results/sched_sim
+
+``--profile FILE.json`` skips the compilation and reads an SPS profile instead (the JSON of
+:class:`specjax.scheduling.SPSProfile`, e.g. one the engine measured, or the ``sps_profile.json``
+an earlier run wrote). ``--quick`` compiles nothing and uses a small synthetic profile (tests).
+
+Writes ``sim.json`` (every cell), ``sim.md`` (tables and the answers below) and ``sim.png``
+(throughput vs per-user speed, one curve per policy) into ``--out``. The answers: at which
+concurrency fixed-K speculation falls below no speculation, and whether dspark and production stay
+at or above it.
+
+What the roofline leaves out (so these are lower bounds on step time, and the SPS *shape* is what
+matters): collectives, kernel efficiency, the host. The compiled program holds ``--slots`` slots
+of ``--max_len`` positions whatever the concurrency, so every simulated C pays for reading that
+whole cache window: the figures are for a server provisioned for ``--slots`` requests.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import numpy as np
+
+from specjax.sched_sim import Traces, sweep
+from specjax.scheduling import SchedulerConfig, SPSProfile
+
+DEFAULT_TRACES = os.path.join("experiments", "results", "full", "dspark_g7",
+                              "traces_dspark_markov_g7.npz")
+
+
+def compiled_profile(target: str, topology: str, *, slots: int, max_len: int, buckets,
+                     gamma: int, drafter: str = "dspark", log=print) -> tuple[SPSProfile, list]:
+    """SPS per bucket = 1 / roofline seconds of the TPU-compiled verification step; ``draft_s``
+    = the drafting step's roofline. Returns the profile and the compile reports."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from experiments.configs.tpu_pod import get_config
+    from specjax import aot
+    from specjax.training.lm_task import model_config_from
+    cfg = get_config(f"{target},{drafter},{topology}")
+    model = model_config_from(cfg)
+    n = len(aot.topology_devices(topology))
+    tp = math.gcd(n, model.num_kv_heads)
+    mesh = aot.topology_mesh(topology, {"data": n // tp, "fsdp": 1, "tensor": tp})
+    shapes = aot.EngineShapes(num_slots=slots, max_len=max_len, gamma=gamma,
+                              buckets=tuple(buckets), prefill_chunk=64, loop_steps=0)
+    reports = []
+    for p in aot.engine_steps(model, cfg.task, mesh, shapes):
+        if not p.name.startswith(("engine.verify", "engine.draft")):
+            continue
+        t0 = time.perf_counter()
+        r = aot.compile_program(p, mesh, topology)
+        log(f"  {p.name}: roofline {1e3 * r.roofline_seconds:.2f} ms ({r.bound}), "
+            f"{r.bytes_accessed / 1e9:.1f} GB, {r.flops / 1e12:.2f} TFLOP per chip "
+            f"[{time.perf_counter() - t0:.0f} s]")
+        reports.append(r.to_dict())
+    verify = sorted((r["shapes"]["bucket"], r["roofline_seconds"]) for r in reports
+                    if r["name"].startswith("engine.verify"))
+    draft_s = next(r["roofline_seconds"] for r in reports if r["name"] == "engine.draft")
+    key = f"roofline {target} {topology} slots={slots} max_len={max_len} gamma={gamma}"
+    return SPSProfile(tuple(b for b, _ in verify), tuple(1.0 / s for _, s in verify), key,
+                      draft_s), reports
+
+
+def synthetic_profile(max_tokens: int) -> SPSProfile:
+    """A small profile for --quick: a fixed cost plus a per-token cost, drafting a fifth of a
+    one-token step (the shape of a step bound by reading the weights up to ~100 tokens)."""
+    buckets = tuple(b for b in (8, 16, 32, 64, 128, 256, 512) if b < max_tokens) + (max_tokens,)
+    return SPSProfile(buckets, tuple(1.0 / (0.01 + 0.0001 * b) for b in buckets),
+                      "synthetic", 0.002)
+
+
+def policies(gamma: int) -> list[SchedulerConfig]:
+    fixed = [k for k in (1, 2, 3, 4, 7) if k <= gamma]
+    return ([SchedulerConfig("none")] + [SchedulerConfig("fixed", k=k) for k in fixed]
+            + [SchedulerConfig("dspark"), SchedulerConfig("production")])
+
+
+def answers(rows: list[dict]) -> dict:
+    """Per concurrency: best fixed K, whether it is below none, and dspark / production vs the
+    better of none and the best fixed K; plus the first C where every fixed K is below none."""
+    by_c: dict = {}
+    for r in rows:
+        by_c.setdefault(r["concurrency"], {})[r["policy"]] = r["throughput"]
+    out = {"per_concurrency": {}, "fixed_below_none_from": None}
+    for c in sorted(by_c):
+        t = by_c[c]
+        fixed = {p: v for p, v in t.items() if p.startswith("fixed")}
+        if not fixed:
+            continue
+        best_p = max(fixed, key=fixed.get)
+        base = max(t["none"], fixed[best_p])
+        out["per_concurrency"][c] = {
+            "best_fixed": best_p, "best_fixed_vs_none": fixed[best_p] / t["none"],
+            "dspark_vs_best_static": t["dspark"] / base,
+            "production_vs_best_static": t["production"] / base}
+        if fixed[best_p] < t["none"] and out["fixed_below_none_from"] is None:
+            out["fixed_below_none_from"] = c
+    return out
+
+
+def markdown(rows: list[dict], ans: dict, profile: SPSProfile, meta: dict) -> str:
+    pols = list(dict.fromkeys(r["policy"] for r in rows))
+    cs = sorted({r["concurrency"] for r in rows})
+    cell = {(r["policy"], r["concurrency"]): r for r in rows}
+    lines = [f"# Scheduling policies at TPU economics (simulation)\n",
+             f"SPS profile: {profile.key}; buckets {list(profile.buckets)}; drafting "
+             f"{1e3 * profile.draft_s:.2f} ms. Traces: {meta['traces']} ({meta['n_traces']} "
+             f"recorded steps, γ = {meta['gamma']}). {meta['steps']} simulated steps per cell.\n",
+             "Throughput, tokens/s (all requests):\n",
+             "| policy | " + " | ".join(f"C={c}" for c in cs) + " |",
+             "|---|" + "---|" * len(cs)]
+    for p in pols:
+        lines.append(f"| {p} | " + " | ".join(f"{cell[(p, c)]['throughput']:.0f}" for c in cs)
+                     + " |")
+    lines += ["", "Tokens per request-step (τ):\n", "| policy | " +
+              " | ".join(f"C={c}" for c in cs) + " |", "|---|" + "---|" * len(cs)]
+    for p in pols:
+        lines.append(f"| {p} | " + " | ".join(f"{cell[(p, c)]['tau']:.2f}" for c in cs) + " |")
+    lines += ["", "| C | best fixed K | best fixed / none | dspark / max(none, best fixed) | "
+              "production / max(none, best fixed) |", "|---|---|---|---|---|"]
+    for c, a in ans["per_concurrency"].items():
+        lines.append(f"| {c} | {a['best_fixed']} | {a['best_fixed_vs_none']:.3f} | "
+                     f"{a['dspark_vs_best_static']:.3f} | {a['production_vs_best_static']:.3f} |")
+    f = ans["fixed_below_none_from"]
+    lines += ["", f"Fixed-K speculation falls below no speculation from C = {f}." if f else
+              f"Fixed-K speculation stays above no speculation up to C = {cs[-1]}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for p in dict.fromkeys(r["policy"] for r in rows):
+        pts = sorted((r["concurrency"], r["per_user"], r["throughput"]) for r in rows
+                     if r["policy"] == p)
+        style = "-o" if p in ("dspark", "production", "none") else "--."
+        ax.plot([x[1] for x in pts], [x[2] for x in pts], style, label=p, ms=4)
+        if p == "none":
+            for c, u, t in pts:
+                ax.annotate(f"C={c}", (u, t), fontsize=7, textcoords="offset points",
+                            xytext=(3, 3))
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("per-user speed, tokens/s")
+    ax.set_ylabel("throughput, tokens/s")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="qwen3-8b")
+    ap.add_argument("--topology", default="v5p-8")
+    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--max_len", type=int, default=2048)
+    ap.add_argument("--buckets", default="16,64,128,256,512")
+    ap.add_argument("--traces", default=DEFAULT_TRACES)
+    ap.add_argument("--profile", default=None, help="an SPS profile JSON instead of compiling")
+    ap.add_argument("--concurrency", default=None, help="e.g. 1,2,4 (default: powers of two up "
+                                                         "to --slots)")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="synthetic profile, few steps")
+    ap.add_argument("--out", default=os.path.join("experiments", "results", "sched_sim"))
+    args = ap.parse_args(argv)
+    traces = Traces.load(args.traces)
+    os.makedirs(args.out, exist_ok=True)
+    reports = []
+    if args.quick:
+        profile, args.steps = synthetic_profile(8 * (traces.gamma + 1)), min(args.steps, 20)
+        args.slots = 8
+    elif args.profile:
+        profile = SPSProfile.load(args.profile)
+    else:
+        buckets = sorted(int(b) for b in args.buckets.split(","))
+        print(f"compiling the verification step of {args.target} for {args.topology} "
+              f"(slots {args.slots}, max_len {args.max_len}, buckets {buckets})", flush=True)
+        profile, reports = compiled_profile(args.target, args.topology, slots=args.slots,
+                                            max_len=args.max_len, buckets=buckets,
+                                            gamma=traces.gamma)
+        profile.save(os.path.join(args.out, "sps_profile.json"))
+    cs = ([int(c) for c in args.concurrency.split(",")] if args.concurrency else
+          [2 ** i for i in range(int(math.log2(args.slots)) + 1)])
+    cs = [c for c in cs if c <= profile.max_tokens]
+    results = []
+    for c in cs:  # fixed K needs C (K + 1) tokens: drop the K that do not fit the buckets
+        ok = [p for p in policies(traces.gamma)
+              if p.policy != "fixed" or c * (p.k + 1) <= profile.max_tokens]
+        results += sweep(traces, ok, profile, [c], steps=args.steps, seed=args.seed)
+    rows = [r.to_dict() for r in results]
+    ans = answers(rows)
+    meta = {"traces": os.path.relpath(args.traces), "n_traces": int(traces.num_accepted.size),
+            "gamma": traces.gamma, "steps": args.steps, "seed": args.seed,
+            "command": "python -m experiments.scheduler_sim " + " ".join(argv or [])}
+    out = {"simulation": True, "profile": dataclass_dict(profile), "meta": meta, "rows": rows,
+           "answers": ans, "compile_reports": reports}
+    with open(os.path.join(args.out, "sim.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    md = markdown(rows, ans, profile, meta)
+    with open(os.path.join(args.out, "sim.md"), "w") as f:
+        f.write(md)
+    plot(rows, os.path.join(args.out, "sim.png"), f"SIMULATION: {profile.key}")
+    print(md)
+    return out
+
+
+def dataclass_dict(profile: SPSProfile) -> dict:
+    return {"key": profile.key, "buckets": list(profile.buckets),
+            "steps_per_s": list(profile.steps_per_s), "draft_s": profile.draft_s}
+
+
+if __name__ == "__main__":
+    import sys
+    main(sys.argv[1:])

@@ -1,0 +1,189 @@
+"""Replay of measured drafter traces through the verification policies at a given load (numpy).
+
+What a policy buys depends on two things: how long each draft chain survives (the drafter) and
+how the cost of a verification step grows with the tokens in it (the hardware, SPS(B)). The
+engine measures both on the machine it runs on. This module combines a drafter's *recorded*
+per-step outcomes with *any* SPS profile, so the policies can be compared on hardware the code is
+not running on (e.g. a TPU roofline profile from :mod:`specjax.aot`), at any concurrency.
+
+Traces (``experiments/offline_eval.save_traces``): per verification step of the offline
+evaluation, the number of drafts accepted when all γ were verified, and the drafter's
+confidences ``[γ]``. Rejection sampling decides draft k from draft k's own distributions and
+uniform alone, so verifying only the first ℓ drafts of that step would have accepted
+``min(num_accepted, ℓ)``: truncating a recorded step is an exact replay of a shorter
+verification.
+
+One simulated step (C requests, all decoding; no admission, no finishing):
+
+1. each request draws a recorded step uniformly at random (steps of one request are independent
+   here, which ignores the correlation of consecutive steps of one text);
+2. the policy picks ℓ_r from the confidences (the production policy from its own history of
+   confidences two drafting steps old, as the engine does);
+3. the request emits ``min(num_accepted, ℓ_r) + 1`` tokens; the step costs
+   ``1 / SPS(C + Σ ℓ_r)`` seconds plus the drafting time when the step drafted.
+
+Throughput is tokens per second over all requests; per-user speed is throughput / C.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import numpy as np
+
+from specjax import scheduling
+from specjax.scheduling import SchedulerConfig, SPSProfile
+
+__all__ = ["Traces", "SimResult", "simulate", "sweep"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Traces:
+    """Recorded verification steps of one drafter.
+
+    num_accepted: int ``[N]`` drafts accepted with all γ verified; confidences: float ``[N, γ]``.
+    """
+
+    num_accepted: np.ndarray
+    confidences: np.ndarray
+
+    def __post_init__(self):
+        n, c = np.asarray(self.num_accepted), np.asarray(self.confidences)
+        if c.ndim != 2 or n.shape != c.shape[:1] or n.size == 0:
+            raise ValueError(f"want num_accepted [N] and confidences [N, γ] with N > 0, got "
+                             f"{n.shape} and {c.shape}")
+        if n.min() < 0 or n.max() > c.shape[1]:
+            raise ValueError(f"num_accepted must lie in [0, γ={c.shape[1]}]")
+
+    @property
+    def gamma(self) -> int:
+        return int(np.asarray(self.confidences).shape[1])
+
+    @classmethod
+    def load(cls, path: str, domains: Optional[Sequence[str]] = None) -> "Traces":
+        """Pools the domains of a ``traces_*.npz`` (all of them by default)."""
+        z = np.load(path)
+        names = sorted({k.split("/")[0] for k in z.files if k.endswith("/confidences")})
+        if domains is not None:
+            missing = set(domains) - set(names)
+            if missing:
+                raise ValueError(f"{path}: no traces for {sorted(missing)}; has {names}")
+            names = list(domains)
+        if not names:
+            raise ValueError(f"{path}: no confidences (only drafters with a confidence head "
+                             f"can drive the policies)")
+        return cls(np.concatenate([z[f"{d}/num_accepted"] for d in names]).astype(np.int64),
+                   np.concatenate([z[f"{d}/confidences"] for d in names]).astype(np.float64))
+
+
+@dataclasses.dataclass(frozen=True)
+class SimResult:
+    """One (policy, concurrency) cell: ``tokens`` emitted in ``seconds`` over ``steps`` steps."""
+
+    policy: str
+    concurrency: int
+    steps: int
+    tokens: int
+    seconds: float
+    verified_drafts: int
+    drafting_steps: int
+
+    @property
+    def throughput(self) -> float:
+        """Tokens per second, all requests."""
+        return self.tokens / self.seconds
+
+    @property
+    def per_user(self) -> float:
+        """Tokens per second of one request."""
+        return self.throughput / self.concurrency
+
+    @property
+    def tau(self) -> float:
+        """Tokens per request per step."""
+        return self.tokens / (self.steps * self.concurrency)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(throughput=self.throughput, per_user=self.per_user, tau=self.tau)
+        return d
+
+
+def simulate(traces: Traces, config: SchedulerConfig, profile: SPSProfile, concurrency: int, *,
+             steps: int = 200, seed: int = 0) -> SimResult:
+    """Replays ``steps`` steps of ``concurrency`` requests under ``config`` (module docstring).
+
+    Args:
+      traces: the drafter's recorded steps; the policy sees their confidences.
+      config: the policy ("retrospective" is refused: it is not lossless).
+      profile: SPS(B) of the verification step per token bucket and the drafting time.
+      concurrency: C requests decoding together (C ≤ the largest bucket).
+      steps: simulated steps; seed: the draws of recorded steps.
+    Returns:
+      A :class:`SimResult`.
+    """
+    if config.policy == "retrospective":
+        raise ValueError("the retrospective search is biased (Appendix A); simulate lossless "
+                         "policies only")
+    c, g = int(concurrency), traces.gamma
+    if c < 1 or c > profile.max_tokens:
+        raise ValueError(f"concurrency must be in [1, {profile.max_tokens}] (the largest "
+                         f"bucket), got {concurrency}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    sps, sps_d = profile.table(), profile.table_with_draft()
+    num_acc = np.asarray(traces.num_accepted, np.int64)
+    conf_all = np.asarray(traces.confidences, np.float64)
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, num_acc.size, size=(steps, c))
+    cap = np.full(c, g, np.int64)
+    # production: per-request confidences of past drafting steps (two kept) and a running prior
+    hist = np.zeros((c, 2, g))
+    hist_n = np.zeros(c, np.int64)
+    prior, prior_seen, since_draft = np.full(g, 0.5), False, 0
+    tokens = verified = drafting = 0
+    seconds = 0.0
+    for t in range(steps):
+        idx = draws[t]
+        live = conf_all[idx]
+        if config.policy == "none":
+            lengths, drew = np.zeros(c, np.int64), False
+        elif config.policy == "production":
+            stale = np.where((hist_n >= 2)[:, None], hist[:, 0], prior[None])
+            budget = scheduling.budget_search(stale, sps, cap, sps_d)
+            if budget == 0 and config.explore_every and since_draft + 1 >= config.explore_every:
+                budget = scheduling.budget_search(stale, sps, cap)
+            drew = budget > 0
+            lengths = (scheduling.top_budget_admission(live, budget, cap) if drew
+                       else np.zeros(c, np.int64))
+            if drew:
+                hist = np.stack([hist[:, 1], live], axis=1)
+                hist_n = hist_n + 1
+                w = 0.1 if prior_seen else 1.0
+                prior, prior_seen = (1 - w) * prior + w * live.mean(axis=0), True
+            since_draft = 0 if drew else since_draft + 1
+        else:
+            lengths = scheduling.schedule(config, live, sps, max_len=cap)
+            drew = True
+        b = c + int(lengths.sum())
+        if b > profile.max_tokens:
+            raise ValueError(f"{config.policy}: a step of {b} tokens exceeds the largest bucket "
+                             f"({profile.max_tokens}); profile larger buckets or lower C / K")
+        tokens += int(np.minimum(num_acc[idx], lengths).sum()) + c
+        verified += int(lengths.sum())
+        drafting += int(drew)
+        seconds += 1.0 / (sps_d[b] if drew else sps[b])
+    return SimResult(policy=_label(config), concurrency=c, steps=steps, tokens=tokens,
+                     seconds=seconds, verified_drafts=verified, drafting_steps=drafting)
+
+
+def _label(config: SchedulerConfig) -> str:
+    return f"fixed K={config.k}" if config.policy == "fixed" else config.policy
+
+
+def sweep(traces: Traces, configs: Sequence[SchedulerConfig], profile: SPSProfile,
+          concurrencies: Sequence[int], *, steps: int = 200, seed: int = 0) -> list[SimResult]:
+    """:func:`simulate` for every (policy, concurrency); the same draws for every policy at one
+    concurrency (common random numbers), so their ratios are paired."""
+    return [simulate(traces, cfg, profile, c, steps=steps, seed=seed + c)
+            for c in concurrencies for cfg in configs]

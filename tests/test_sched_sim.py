@@ -1,0 +1,122 @@
+"""The policy replay simulator (specjax/sched_sim.py) on hand-computable traces and profiles."""
+import numpy as np
+import pytest
+
+from specjax.sched_sim import SimResult, Traces, simulate, sweep
+from specjax.scheduling import SchedulerConfig, SPSProfile
+
+G = 4
+
+
+def _profile(step_seconds, draft_s=0.0, max_tokens=64):
+    """SPS per bucket 1..max_tokens from ``step_seconds(B)``."""
+    buckets = tuple(range(1, max_tokens + 1))
+    return SPSProfile(buckets, tuple(1.0 / step_seconds(b) for b in buckets), "test", draft_s)
+
+
+def _traces(num_accepted, conf):
+    n = len(num_accepted)
+    return Traces(np.asarray(num_accepted), np.broadcast_to(np.asarray(conf, float), (n, G)))
+
+
+def test_no_speculation_emits_one_token_per_request_step():
+    prof = _profile(lambda b: 0.01 + 0.001 * b)
+    r = simulate(_traces([2, 4, 0], [0.9] * G), SchedulerConfig("none"), prof, 8, steps=10)
+    assert (r.tokens, r.verified_drafts, r.drafting_steps) == (80, 0, 0)
+    assert r.seconds == pytest.approx(10 * (0.01 + 0.008))
+    assert r.per_user == pytest.approx(1 / 0.018) and r.tau == 1.0
+
+
+def test_fixed_k_truncates_the_recorded_acceptance():
+    """Every recorded step accepted 2 of 4: verifying K = 1 accepts 1, K = 3 accepts 2."""
+    prof = _profile(lambda b: 0.01 + 0.001 * b, draft_s=0.002)
+    tr = _traces([2] * 5, [0.9] * G)
+    for k, acc in ((1, 1), (3, 2)):
+        r = simulate(tr, SchedulerConfig("fixed", k=k), prof, 4, steps=7)
+        assert r.tokens == 7 * 4 * (acc + 1)
+        assert r.seconds == pytest.approx(7 * (0.01 + 0.001 * 4 * (k + 1) + 0.002))
+        assert r.drafting_steps == 7 and r.verified_drafts == 7 * 4 * k
+
+
+def test_when_every_token_costs_the_same_the_lossless_policies_do_not_speculate():
+    """SPS(B) = 1 / B: a draft accepted with probability a < 1 adds a < 1 tokens for one token of
+    cost, so Θ only falls. Algorithm 1 and the production budget admit nothing, and match none."""
+    prof = _profile(lambda b: 0.001 * b, draft_s=0.0)
+    tr = _traces([1, 3, 0, 2], [0.8, 0.7, 0.6, 0.5])
+    none = simulate(tr, SchedulerConfig("none"), prof, 6, steps=20, seed=1)
+    for policy in ("dspark", "production"):
+        r = simulate(tr, SchedulerConfig(policy, explore_every=0), prof, 6, steps=20, seed=1)
+        assert r.verified_drafts == 0 and r.tokens == none.tokens
+        assert r.seconds == pytest.approx(none.seconds)
+
+
+def test_when_verification_is_free_algorithm_1_verifies_every_draft():
+    """A flat SPS (one step costs the same at any B): every admission raises Θ, so Algorithm 1
+    verifies all γ drafts of every request and emits what fixed K = γ emits, on the same draws."""
+    prof = _profile(lambda b: 0.01)
+    tr = _traces([0, 1, 2, 3, 4], [0.9, 0.8, 0.7, 0.6])
+    full = simulate(tr, SchedulerConfig("fixed", k=G), prof, 8, steps=30, seed=3)
+    d = simulate(tr, SchedulerConfig("dspark"), prof, 8, steps=30, seed=3)
+    assert d.verified_drafts == 8 * 30 * G and d.tokens == full.tokens
+
+
+def test_production_budgets_from_stale_confidences_and_stops_drafting_when_it_does_not_pay():
+    """Drafting costs 10x a verification step: no budget pays for it, so after its prior the
+    production policy drafts only on exploration steps (every 4th step here)."""
+    prof = _profile(lambda b: 0.01, draft_s=0.1)
+    tr = _traces([4] * 3, [0.99] * G)
+    r = simulate(tr, SchedulerConfig("production", explore_every=4), prof, 2, steps=40)
+    assert r.drafting_steps == 10
+    assert r.tokens == 2 * (40 + 10 * G)
+
+
+def test_sweep_pairs_policies_on_common_draws_and_checks_inputs():
+    prof = _profile(lambda b: 0.01 + 0.0005 * b, max_tokens=40)
+    tr = _traces([1, 2, 3], [0.9, 0.8, 0.7, 0.6])
+    res = sweep(tr, [SchedulerConfig("none"), SchedulerConfig("fixed", k=2)], prof, [1, 4],
+                steps=5)
+    assert [(r.policy, r.concurrency) for r in res] == [("none", 1), ("fixed K=2", 1),
+                                                        ("none", 4), ("fixed K=2", 4)]
+    assert all(isinstance(r, SimResult) and r.throughput > 0 for r in res)
+    with pytest.raises(ValueError, match="largest bucket"):
+        simulate(tr, SchedulerConfig("fixed", k=4), prof, 10, steps=1)
+    with pytest.raises(ValueError, match="concurrency"):
+        simulate(tr, SchedulerConfig("none"), prof, 41)
+    with pytest.raises(ValueError, match="biased"):
+        simulate(tr, SchedulerConfig("retrospective"), prof, 2)
+    with pytest.raises(ValueError, match=r"\[0, γ"):
+        Traces(np.array([5]), np.ones((1, 4)))
+
+
+def test_traces_load_pools_domains(tmp_path):
+    np.savez(tmp_path / "t.npz", **{"math/num_accepted": np.array([1, 2]),
+                                    "math/confidences": np.full((2, 3), 0.5),
+                                    "code/num_accepted": np.array([0]),
+                                    "code/confidences": np.full((1, 3), 0.25)})
+    t = Traces.load(str(tmp_path / "t.npz"))
+    assert t.gamma == 3 and sorted(t.num_accepted.tolist()) == [0, 1, 2]
+    assert Traces.load(str(tmp_path / "t.npz"), ["code"]).num_accepted.tolist() == [0]
+    with pytest.raises(ValueError, match="no traces"):
+        Traces.load(str(tmp_path / "t.npz"), ["prose"])
+
+
+def test_scheduler_sim_quick_on_the_committed_traces(tmp_path):
+    """The CLI end to end on the committed DSpark-Markov γ = 7 traces (synthetic SPS profile):
+    every policy at every concurrency, files written, and fixed K = γ emits 1 + the recorded mean
+    acceptance per request-step (within 4 s.e. of its draws)."""
+    import json
+    from experiments import scheduler_sim
+    out = scheduler_sim.main(["--quick", "--out", str(tmp_path)])
+    assert out["simulation"] is True
+    assert {(r["policy"], r["concurrency"]) for r in out["rows"]} >= {
+        (p, c) for p in ("none", "dspark", "production", "fixed K=7") for c in (1, 2, 4, 8)}
+    for name in ("sim.json", "sim.md", "sim.png"):
+        assert (tmp_path / name).exists()
+    assert json.load(open(tmp_path / "sim.json"))["answers"]["per_concurrency"]
+    tr = Traces.load(scheduler_sim.DEFAULT_TRACES)
+    full = [r for r in out["rows"] if r["policy"] == "fixed K=7"]
+    draws = sum(r["steps"] * r["concurrency"] for r in full)
+    tau = sum(r["tokens"] for r in full) / draws
+    se = tr.num_accepted.std() / np.sqrt(draws)
+    assert abs(tau - 1 - tr.num_accepted.mean()) < 4 * se
+    assert all(r["tau"] == 1.0 for r in out["rows"] if r["policy"] == "none")
