@@ -37,7 +37,8 @@ import numpy as np
 from specjax.sched_sim import Traces, sweep
 from specjax.scheduling import SchedulerConfig, SPSProfile
 
-DEFAULT_TRACES = os.path.join("experiments", "results", "full", "dspark_g7",
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_TRACES = os.path.join(REPO, "experiments", "results", "full", "dspark_g7",
                               "traces_dspark_markov_g7.npz")
 
 
@@ -207,7 +208,7 @@ def main(argv=None) -> dict:
         results += sweep(traces, ok, profile, [c], steps=args.steps, seed=args.seed)
     rows = [r.to_dict() for r in results]
     ans = answers(rows)
-    meta = {"traces": os.path.relpath(args.traces), "n_traces": int(traces.num_accepted.size),
+    meta = {"traces": os.path.relpath(os.path.abspath(args.traces), REPO), "n_traces": int(traces.num_accepted.size),
             "gamma": traces.gamma, "steps": args.steps, "seed": args.seed,
             "command": "python -m experiments.scheduler_sim " + " ".join(argv or [])}
     out = {"simulation": True, "profile": dataclass_dict(profile), "meta": meta, "rows": rows,
