@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import os
+import textwrap
 import time
 
 import numpy as np
@@ -73,6 +74,36 @@ def compiled_profile(target: str, topology: str, *, slots: int, max_len: int, bu
     key = f"roofline {target} {topology} slots={slots} max_len={max_len} gamma={gamma}"
     return SPSProfile(tuple(b for b, _ in verify), tuple(1.0 / s for _, s in verify), key,
                       draft_s), reports
+
+
+def cache_once_profiles(reports: list, target: str, topology: str, concurrencies, *,
+                        context: int) -> dict:
+    """Counterfactual SPS per concurrency C: the compiled FLOPs of each verification bucket, but
+    bytes = the weights' share of a chip + one read of C slots' keys and values at ``context``
+    positions (what an attention kernel that reads each used cache entry once would move).
+    ``draft_s`` stays the compiled drafting roofline. Returns ``{C: SPSProfile}``."""
+    import jax.numpy as jnp
+    from experiments.configs.tpu_pod import get_config
+    from specjax.aot import chip_of
+    from specjax.aot.programs import matmul_params
+    from specjax.training.lm_task import model_config_from
+    model = model_config_from(get_config(f"{target},dspark,{topology}"))
+    chip = chip_of(topology)
+    verify = sorted((r["shapes"]["bucket"], r["flops"], r["mesh"].get("tensor", 1))
+                    for r in reports if r["name"].startswith("engine.verify"))
+    draft_s = next(r["roofline_seconds"] for r in reports if r["name"] == "engine.draft")
+    tp = verify[0][2]
+    weights = matmul_params(model) * jnp.dtype(model.weight_dtype).itemsize / tp
+    kv_per_pos = (model.num_layers * 2 * model.num_kv_heads * model.head_dim
+                  * jnp.dtype(model.compute_dtype).itemsize / tp)
+    out = {}
+    for c in concurrencies:
+        nbytes = weights + c * context * kv_per_pos
+        secs = [max(f / chip.peak_bf16_flops, nbytes / chip.hbm_bandwidth) for _, f, _ in verify]
+        out[c] = SPSProfile(tuple(b for b, _, _ in verify), tuple(1.0 / t for t in secs),
+                            f"counterfactual: compiled FLOPs, weights + KV read once "
+                            f"({target} {topology}, context {context})", draft_s)
+    return out
 
 
 def synthetic_profile(max_tokens: int) -> SPSProfile:
@@ -120,6 +151,12 @@ def markdown(rows: list[dict], ans: dict, profile: SPSProfile, meta: dict) -> st
              f"SPS profile: {profile.key}; buckets {list(profile.buckets)}; drafting "
              f"{1e3 * profile.draft_s:.2f} ms. Traces: {meta['traces']} ({meta['n_traces']} "
              f"recorded steps, γ = {meta['gamma']}). {meta['steps']} simulated steps per cell.\n",
+             *([f"Verification step time (ms) per bucket, by concurrency (each C has its own "
+                f"profile): " + "; ".join(f"C={c}: {v}" for c, v in
+                                          meta["step_ms_per_concurrency"].items()) + "\n"]
+               if "step_ms_per_concurrency" in meta else
+               [f"Verification step time (ms) per bucket: "
+                f"{[round(1e3 / x, 3) for x in profile.steps_per_s]}\n"]),
              "Throughput, tokens/s (all requests):\n",
              "| policy | " + " | ".join(f"C={c}" for c in cs) + " |",
              "|---|" + "---|" * len(cs)]
@@ -159,7 +196,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("per-user speed, tokens/s")
     ax.set_ylabel("throughput, tokens/s")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 80), fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -180,12 +217,30 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="synthetic profile, few steps")
+    ap.add_argument("--cache_read_once", type=int, default=0, metavar="CONTEXT",
+                    help="counterfactual: keep the compiled FLOPs but count the bytes of the "
+                         "weights plus one read of each active slot's KV at CONTEXT positions "
+                         "(needs --reports)")
+    ap.add_argument("--reports", default=None,
+                    help="sim.json of a compiled run: reuse its compile reports")
     ap.add_argument("--out", default=os.path.join("experiments", "results", "sched_sim"))
     args = ap.parse_args(argv)
     traces = Traces.load(args.traces)
     os.makedirs(args.out, exist_ok=True)
     reports = []
-    if args.quick:
+    per_c = None
+    if args.reports:
+        reports = json.load(open(args.reports))["compile_reports"]
+        verify = sorted((r["shapes"]["bucket"], r["roofline_seconds"]) for r in reports
+                        if r["name"].startswith("engine.verify"))
+        draft_s = next(r["roofline_seconds"] for r in reports if r["name"] == "engine.draft")
+        profile = SPSProfile(tuple(b for b, _ in verify), tuple(1 / t for _, t in verify),
+                             json.load(open(args.reports))["profile"]["key"], draft_s)
+    if args.cache_read_once and not args.reports:
+        raise SystemExit("--cache_read_once needs --reports (the compile reports)")
+    if args.reports:
+        pass  # the profile of the compiled run, read above
+    elif args.quick:
         profile, args.steps = synthetic_profile(8 * (traces.gamma + 1)), min(args.steps, 20)
         args.slots = 8
     elif args.profile:
@@ -201,18 +256,27 @@ def main(argv=None) -> dict:
     cs = ([int(c) for c in args.concurrency.split(",")] if args.concurrency else
           [2 ** i for i in range(int(math.log2(args.slots)) + 1)])
     cs = [c for c in cs if c <= profile.max_tokens]
+    if args.cache_read_once:
+        per_c = cache_once_profiles(reports, args.target, args.topology, cs,
+                                    context=args.cache_read_once)
     results = []
     for c in cs:  # fixed K needs C (K + 1) tokens: drop the K that do not fit the buckets
+        prof = per_c[c] if per_c else profile
         ok = [p for p in policies(traces.gamma)
-              if p.policy != "fixed" or c * (p.k + 1) <= profile.max_tokens]
-        results += sweep(traces, ok, profile, [c], steps=args.steps, seed=args.seed)
+              if p.policy != "fixed" or c * (p.k + 1) <= prof.max_tokens]
+        results += sweep(traces, ok, prof, [c], steps=args.steps, seed=args.seed)
     rows = [r.to_dict() for r in results]
     ans = answers(rows)
-    meta = {"traces": os.path.relpath(os.path.abspath(args.traces), REPO), "n_traces": int(traces.num_accepted.size),
-            "gamma": traces.gamma, "steps": args.steps, "seed": args.seed,
+    meta = {"traces": os.path.relpath(os.path.abspath(args.traces), REPO),
+            "n_traces": int(traces.num_accepted.size), "gamma": traces.gamma, "steps": args.steps, "seed": args.seed,
             "command": "python -m experiments.scheduler_sim " + " ".join(argv or [])}
     out = {"simulation": True, "profile": dataclass_dict(profile), "meta": meta, "rows": rows,
            "answers": ans, "compile_reports": reports}
+    if per_c:
+        out["profile"] = {str(c): dataclass_dict(p) for c, p in per_c.items()}
+        profile = per_c[cs[-1]]
+        meta["step_ms_per_concurrency"] = {c: [round(1e3 / x, 3) for x in p.steps_per_s]
+                                           for c, p in per_c.items()}
     with open(os.path.join(args.out, "sim.json"), "w") as f:
         json.dump(out, f, indent=1)
     md = markdown(rows, ans, profile, meta)

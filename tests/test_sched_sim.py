@@ -120,3 +120,27 @@ def test_scheduler_sim_quick_on_the_committed_traces(tmp_path):
     se = tr.num_accepted.std() / np.sqrt(draws)
     assert abs(tau - 1 - tr.num_accepted.mean()) < 4 * se
     assert all(r["tau"] == 1.0 for r in out["rows"] if r["policy"] == "none")
+
+
+def test_cache_read_once_profile_is_the_roofline_of_weights_plus_one_kv_read():
+    """The counterfactual profile: compiled FLOPs, bytes = weights' share + C slots' KV once."""
+    from experiments.configs.tpu_pod import get_config
+    from experiments.scheduler_sim import cache_once_profiles
+    from specjax.aot import chip_of
+    from specjax.aot.programs import matmul_params
+    from specjax.training.lm_task import model_config_from
+    reports = [{"name": "engine.draft", "roofline_seconds": 1e-3},
+               {"name": "engine.verify[N=16]", "shapes": {"bucket": 16}, "flops": 1e9,
+                "mesh": {"tensor": 4}},
+               {"name": "engine.verify[N=512]", "shapes": {"bucket": 512}, "flops": 5e13,
+                "mesh": {"tensor": 4}}]
+    prof = cache_once_profiles(reports, "qwen3-8b", "v5p-8", [1, 64], context=1024)
+    m = model_config_from(get_config("qwen3-8b,dspark,v5p-8"))
+    chip = chip_of("v5p-8")
+    weights = matmul_params(m) * 2 / 4  # bf16 weights over 4-way tensor parallelism
+    kv = m.num_layers * 2 * m.num_kv_heads * m.head_dim * 2 / 4
+    for c in (1, 64):
+        assert 1 / prof[c].steps_per_s[0] == pytest.approx((weights + c * 1024 * kv)
+                                                           / chip.hbm_bandwidth)
+        assert 1 / prof[c].steps_per_s[1] == pytest.approx(5e13 / chip.peak_bf16_flops)
+        assert prof[c].draft_s == 1e-3 and prof[c].buckets == (16, 512)
