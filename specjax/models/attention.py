@@ -113,22 +113,26 @@ def windowed_attention(q: jax.Array, q_pos: jax.Array, k_all: jax.Array, v_all: 
       ``[S, T, H, Dh]``.
     """
     s, t = q_pos.shape
+    # Only this layer's cache enters the branches. Handing them the whole layered cache made the
+    # TPU compiler copy every layer's cache inside each branch (a layout change before the
+    # window slice), which cost more than the attention itself.
+    k_layer, v_layer = k_all[layer], v_all[layer]
 
     def branch(w: int):
-        def run(q, q_pos, k_all, v_all):
+        def run(q, q_pos, k_layer, v_layer):
             # One slice of exactly the window: never materialise the layer's whole row.
-            k = jax.lax.slice_in_dim(k_all[layer:layer + 1], 0, w, axis=2)[0]
-            v = jax.lax.slice_in_dim(v_all[layer:layer + 1], 0, w, axis=2)[0]
+            k = jax.lax.slice_in_dim(k_layer, 0, w, axis=1)
+            v = jax.lax.slice_in_dim(v_layer, 0, w, axis=1)
             k_pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (s, w))
             mask = attention_weights_mask(q_pos, k_pos)
             return grouped_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
         return run
 
     if len(windows) == 1:
-        return branch(windows[0])(q, q_pos, k_all, v_all)
+        return branch(windows[0])(q, q_pos, k_layer, v_layer)
     idx = jnp.searchsorted(jnp.asarray(windows, jnp.int32), need.astype(jnp.int32), side="left")
     idx = jnp.minimum(idx, len(windows) - 1)
-    return jax.lax.switch(idx, [branch(w) for w in windows], q, q_pos, k_all, v_all)
+    return jax.lax.switch(idx, [branch(w) for w in windows], q, q_pos, k_layer, v_layer)
 
 
 def contiguous_page_table(num_slots: int, max_len: int, page_size: int) -> jax.Array:
