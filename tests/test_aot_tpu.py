@@ -107,3 +107,32 @@ def test_oversized_config_is_reported_not_fitting_with_its_numbers():
     assert big.used_bytes > 0 and big.hbm_bytes == 16 * 2**30
     row = big.to_dict()
     assert row["fits"] is False and row["hbm_fraction"] > aot.HBM_BUDGET
+
+
+def test_verification_step_does_not_copy_the_layered_cache_per_layer():
+    """The TPU-compiled verification step copies the whole layered cache ``[L, S, max_len, ...]``
+    at most four times (k and v converted to the compute layout and back), however many layers
+    the model has, and each layer's rows ``[S, max_len, ...]`` at most four times. Handing the
+    whole layered cache to the attention's window branches made the compiler copy it inside
+    every branch of every layer (dozens of copies, growing with the layers)."""
+    import re
+
+    import jax
+    from experiments.configs.train_drafter import get_config
+    from specjax.models import get_preset
+    task = get_config("draft_lm,tiny").task
+    mesh = aot.topology_mesh(TOPOLOGY, {"data": 1, "fsdp": 1, "tensor": -1})
+    max_len, slots = 512, 8
+    for layers in (2, 4):
+        shapes = aot.EngineShapes(num_slots=slots, max_len=max_len, gamma=3, buckets=(16,),
+                                  prefill_chunk=16, loop_steps=0)
+        model = get_preset("tiny", num_kv_heads=4, num_layers=layers)
+        verify = next(p for p in aot.engine_steps(model, task, mesh, shapes)
+                      if p.name.startswith("engine.verify"))
+        with jax.set_mesh(mesh):
+            text = verify.lower().compile().as_text()
+        copies = [line for line in text.splitlines() if " copy(" in line]
+        whole = [c for c in copies if re.search(rf"\[{layers},{slots},{max_len},", c)]
+        rows = [c for c in copies if re.search(rf"\[{slots},{max_len},", c)]
+        assert len(whole) <= 4, (layers, len(whole))
+        assert len(rows) <= 4 * layers, (layers, len(rows))
