@@ -33,8 +33,6 @@ import os
 import textwrap
 import time
 
-import numpy as np
-
 from specjax.sched_sim import Traces, sweep
 from specjax.scheduling import SchedulerConfig, SPSProfile
 
@@ -68,12 +66,22 @@ def compiled_profile(target: str, topology: str, *, slots: int, max_len: int, bu
             f"{r.bytes_accessed / 1e9:.1f} GB, {r.flops / 1e12:.2f} TFLOP per chip "
             f"[{time.perf_counter() - t0:.0f} s]")
         reports.append(r.to_dict())
+    key = f"roofline {target} {topology} slots={slots} max_len={max_len} gamma={gamma}"
+    return profile_from_reports(reports, key), reports
+
+
+def profile_from_reports(reports: list, key: str) -> SPSProfile:
+    """SPS per bucket = 1 / roofline seconds of each ``engine.verify[N=…]`` compile report;
+    ``draft_s`` = the ``engine.draft`` report's roofline."""
     verify = sorted((r["shapes"]["bucket"], r["roofline_seconds"]) for r in reports
                     if r["name"].startswith("engine.verify"))
-    draft_s = next(r["roofline_seconds"] for r in reports if r["name"] == "engine.draft")
-    key = f"roofline {target} {topology} slots={slots} max_len={max_len} gamma={gamma}"
     return SPSProfile(tuple(b for b, _ in verify), tuple(1.0 / s for _, s in verify), key,
-                      draft_s), reports
+                      draft_seconds(reports))
+
+
+def draft_seconds(reports: list) -> float:
+    """Roofline seconds of the ``engine.draft`` compile report."""
+    return next(r["roofline_seconds"] for r in reports if r["name"] == "engine.draft")
 
 
 def cache_once_profiles(reports: list, target: str, topology: str, concurrencies, *,
@@ -91,7 +99,7 @@ def cache_once_profiles(reports: list, target: str, topology: str, concurrencies
     chip = chip_of(topology)
     verify = sorted((r["shapes"]["bucket"], r["flops"], r["mesh"].get("tensor", 1))
                     for r in reports if r["name"].startswith("engine.verify"))
-    draft_s = next(r["roofline_seconds"] for r in reports if r["name"] == "engine.draft")
+    draft_s = draft_seconds(reports)
     tp = verify[0][2]
     weights = matmul_params(model) * jnp.dtype(model.weight_dtype).itemsize / tp
     kv_per_pos = (model.num_layers * 2 * model.num_kv_heads * model.head_dim
@@ -229,17 +237,13 @@ def main(argv=None) -> dict:
     os.makedirs(args.out, exist_ok=True)
     reports = []
     per_c = None
-    if args.reports:
-        reports = json.load(open(args.reports))["compile_reports"]
-        verify = sorted((r["shapes"]["bucket"], r["roofline_seconds"]) for r in reports
-                        if r["name"].startswith("engine.verify"))
-        draft_s = next(r["roofline_seconds"] for r in reports if r["name"] == "engine.draft")
-        profile = SPSProfile(tuple(b for b, _ in verify), tuple(1 / t for _, t in verify),
-                             json.load(open(args.reports))["profile"]["key"], draft_s)
     if args.cache_read_once and not args.reports:
         raise SystemExit("--cache_read_once needs --reports (the compile reports)")
     if args.reports:
-        pass  # the profile of the compiled run, read above
+        with open(args.reports) as f:
+            compiled = json.load(f)
+        reports = compiled["compile_reports"]
+        profile = profile_from_reports(reports, compiled["profile"]["key"])
     elif args.quick:
         profile, args.steps = synthetic_profile(8 * (traces.gamma + 1)), min(args.steps, 20)
         args.slots = 8
@@ -268,12 +272,13 @@ def main(argv=None) -> dict:
     rows = [r.to_dict() for r in results]
     ans = answers(rows)
     meta = {"traces": os.path.relpath(os.path.abspath(args.traces), REPO),
-            "n_traces": int(traces.num_accepted.size), "gamma": traces.gamma, "steps": args.steps, "seed": args.seed,
+            "n_traces": int(traces.num_accepted.size), "gamma": traces.gamma,
+            "steps": args.steps, "seed": args.seed,
             "command": "python -m experiments.scheduler_sim " + " ".join(argv or [])}
-    out = {"simulation": True, "profile": dataclass_dict(profile), "meta": meta, "rows": rows,
+    out = {"simulation": True, "profile": profile.to_dict(), "meta": meta, "rows": rows,
            "answers": ans, "compile_reports": reports}
     if per_c:
-        out["profile"] = {str(c): dataclass_dict(p) for c, p in per_c.items()}
+        out["profile"] = {str(c): p.to_dict() for c, p in per_c.items()}
         profile = per_c[cs[-1]]
         meta["step_ms_per_concurrency"] = {c: [round(1e3 / x, 3) for x in p.steps_per_s]
                                            for c, p in per_c.items()}
@@ -285,11 +290,6 @@ def main(argv=None) -> dict:
     plot(rows, os.path.join(args.out, "sim.png"), f"SIMULATION: {profile.key}")
     print(md)
     return out
-
-
-def dataclass_dict(profile: SPSProfile) -> dict:
-    return {"key": profile.key, "buckets": list(profile.buckets),
-            "steps_per_s": list(profile.steps_per_s), "draft_s": profile.draft_s}
 
 
 if __name__ == "__main__":

@@ -115,12 +115,15 @@ class SPSProfile:
         ``1 / (1 / SPS(B) + draft_s)``."""
         return 1.0 / (1.0 / self.table() + self.draft_s)
 
+    def to_dict(self) -> dict:
+        """The JSON form :meth:`save` writes and :meth:`load` reads."""
+        return {"key": self.key, "buckets": list(self.buckets),
+                "steps_per_s": list(self.steps_per_s), "draft_s": self.draft_s}
+
     def save(self, path: str) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
-            json.dump({"key": self.key, "buckets": list(self.buckets),
-                       "steps_per_s": list(self.steps_per_s), "draft_s": self.draft_s},
-                      f, indent=1)
+            json.dump(self.to_dict(), f, indent=1)
 
     @classmethod
     def load(cls, path: str) -> "SPSProfile":
