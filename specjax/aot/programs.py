@@ -5,8 +5,8 @@
   lowered from the trainer's abstract state: nothing is allocated, the target is never loaded.
 * :func:`engine_steps` — the serving engine's device steps (draft, flattened verification per
   token bucket, prefill, and the device loop that runs many draft-verify steps in one
-  ``lax.while_loop`` under a policy), tensor-parallel: target weights by the logical rules over the mesh's
-  ``tensor`` axis, the KV cache ``[L, S, max_len, KVH, Dh]`` over its KV heads.
+  ``lax.while_loop`` under a policy), tensor-parallel: target weights by the logical rules over
+  the mesh's ``tensor`` axis, the KV cache ``[L, S, max_len, KVH, Dh]`` over its KV heads.
 * :func:`rejection_kernel` — the Pallas rejection sampler (``backend="mosaic_tpu"``) under
   ``shard_map``, rows split over every device.
 
