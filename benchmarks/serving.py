@@ -237,13 +237,14 @@ def main(argv=None):
         return report
     if args.quick:
         # A smoke run: every code path once at the smallest shapes. Each (concurrency, policy)
-        # compiles its own device loop, so the compile time is the run time: γ = 3 gives one
-        # token bucket fewer than γ = 4 at each C (C = 1: 1, 2, 4; C = 4: 4, 8, 16); the
-        # host-loop overlap (one verification program per bucket) runs at C = 1.
-        args.preset, args.concurrency, args.reps = "tiny", "1,4", 1
+        # compiles its own device loop and each concurrency its profiling engine, so the compile
+        # time is the run time: one concurrency (2 slots, so admission into a busy engine
+        # happens), γ = 3 (buckets 2, 4, 8); the host-loop overlap (one verification program per
+        # bucket) runs there too.
+        args.preset, args.concurrency, args.reps = "tiny", "2", 1
         args.max_new_tokens, args.requests_per_slot, args.prompt_len = 8, 2, 16
         args.policies = "none,mtp1,fixed2,dspark,production"
-        args.gamma, args.overlap_at = 3, 1
+        args.gamma, args.overlap_at = 3, 2
     target, drafter, params, frozen, gamma = load_models(args)
     vocab = frozen.vocab_size
     conc = [int(c) for c in args.concurrency.split(",")]

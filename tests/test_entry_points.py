@@ -134,7 +134,9 @@ def test_training_bench_cli(tmp_path):
      and [v["K"] for v in r["presets"][0]["device"]["verify"]] == [1, 2]),
     ("benchmarks.verify_throughput", ["--reps", 1],
      lambda r: r["reps"] == 1 and [x["B"] for x in r["results"]] == [1, 64]),
-    ("benchmarks.serving", [], lambda r: set(r["closed_loop"]) == {"1", "4"}),
+    ("benchmarks.serving", [], lambda r: set(r["closed_loop"]) == {"2"}
+     and set(r["closed_loop"]["2"]["policies"]) == {"none", "mtp1", "fixed2", "dspark", "production"}
+     and r["overlap"]["concurrency"] == 2),
 ])
 def test_benchmark_quick(module, extra, check, tmp_path):
     out = tmp_path / "out.json"
