@@ -12,22 +12,28 @@ import math
 import os
 
 import pytest
+from _shared_once import compile_cache, compile_cache_env
+from test_quickstart import tiny_run  # noqa: F401  (module fixture: the command-line tiny run)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
 
 
-def _execute(name: str, workdir) -> str:
+def _execute(name: str, workdir, jax_cache=None, env=None) -> str:
     """Runs notebooks/<name> in tiny mode with ``workdir`` as its work directory; returns the
-    text of its outputs."""
+    text of its outputs. With ``jax_cache``, the kernel uses JAX's persistent compilation cache
+    there (see ``_shared_once.compile_cache``); ``env``: more variables for the kernel."""
     nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed")
     nbclient = pytest.importorskip("nbclient", reason="nbclient is not installed")
     pytest.importorskip("ipykernel", reason="ipykernel is not installed")
     nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), \
         f"{name}: outputs must be stripped in git"
-    keys = ("SPECJAX_NOTEBOOK_WORKDIR", "SPECJAX_NOTEBOOK_TINY", "XLA_FLAGS", "PYTHONPATH")
+    extra = dict(compile_cache_env(jax_cache) if jax_cache is not None else {}, **(env or {}))
+    keys = ("SPECJAX_NOTEBOOK_WORKDIR", "SPECJAX_NOTEBOOK_TINY", "XLA_FLAGS", "PYTHONPATH",
+            *extra)
     saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(extra)
     os.environ["SPECJAX_NOTEBOOK_WORKDIR"] = str(workdir)
     os.environ["SPECJAX_NOTEBOOK_TINY"] = "1"
     os.environ["XLA_FLAGS"] = " ".join(f for f in (saved["XLA_FLAGS"] or "").split()
@@ -56,11 +62,17 @@ def test_no_notebook_forces_a_backend():
 
 
 @pytest.mark.xdist_group("tiny_target")
-def test_01_quickstart(tmp_path):
+def test_01_quickstart(tmp_path, tmp_path_factory, tiny_run):
+    """The notebook's path after ``make quickstart``: the tiny target and head come from the
+    caches of the command-line run (``test_quickstart.tiny_run``, which trains them); the
+    notebook loads them, compares the decoders and plots."""
     from test_quickstart import check_comparison
 
     from experiments import quickstart
-    out = _execute("01_quickstart.ipynb", tmp_path)
+    cached = {k: tiny_run[3][k] for k in ("SPECJAX_DATA_DIR", "SPECJAX_TARGET_CACHE",
+                                          "SPECJAX_QUICKSTART_DIR")}
+    out = _execute("01_quickstart.ipynb", tmp_path, compile_cache(tmp_path_factory), env=cached)
+    assert "reused from the cache" in out  # the head the command-line run trained
     with open(tmp_path / "01_quickstart.json") as f:
         comparison = json.load(f)
     check_comparison(comparison, quickstart.TINY)
@@ -70,8 +82,8 @@ def test_01_quickstart(tmp_path):
 
 
 @pytest.mark.xdist_group("tiny_target")
-def test_02_bebop_losses(tmp_path):
-    out = _execute("02_bebop_losses.ipynb", tmp_path)
+def test_02_bebop_losses(tmp_path, tmp_path_factory):
+    out = _execute("02_bebop_losses.ipynb", tmp_path, compile_cache(tmp_path_factory))
     with open(tmp_path / "02_bebop" / "summary.json") as f:
         summary = json.load(f)
     table = summary["bebop"]["table"]
@@ -96,11 +108,16 @@ def test_02_bebop_losses(tmp_path):
     assert "checks passed" in out
     for png in ("acceptance_per_position.png", "acceptance_vs_entropy.png"):
         assert os.path.getsize(tmp_path / "02_bebop" / "results" / "bebop" / png) > 10_000
+    # The notebook runs the reproduction driver's Bebop part through its argv entry point
+    # (experiments.reproduce.main): the summary files and per-part results it writes.
+    assert "Bebop Table 2 analogue" in (tmp_path / "02_bebop" / "summary.md").read_text()
+    for name in ("results.md", "results.json"):
+        assert (tmp_path / "02_bebop" / "results" / "bebop" / name).exists(), name
 
 
 @pytest.mark.xdist_group("tiny_target")
-def test_03_dspark(tmp_path):
-    out = _execute("03_dspark.ipynb", tmp_path)
+def test_03_dspark(tmp_path, tmp_path_factory):
+    out = _execute("03_dspark.ipynb", tmp_path, compile_cache(tmp_path_factory))
     with open(tmp_path / "03_dspark.json") as f:
         res = json.load(f)
     gamma = res["gamma"]
@@ -124,17 +141,17 @@ def test_03_dspark(tmp_path):
                            "reliability_dspark_markov_g7.png") > 10_000
 
 
-@pytest.mark.xdist_group("tiny_target")  # shares the cached tiny target with the driver test
-def test_drafter_quicktour_runs(tmp_path):
-    out = _execute("drafter_quicktour.ipynb", tmp_path)
+@pytest.mark.xdist_group("tiny_target")  # shares the cached tiny target with the notebooks above
+def test_drafter_quicktour_runs(tmp_path, tmp_path_factory):
+    out = _execute("drafter_quicktour.ipynb", tmp_path, compile_cache(tmp_path_factory))
     assert "predicted 1 + sum prod alpha" in out
     assert os.path.exists(tmp_path / "eval" / "acceptance_per_position.png")
 
 
 @pytest.mark.xdist_group("rl")
-def test_04_rl_grpo(tmp_path):
+def test_04_rl_grpo(tmp_path, tmp_path_factory):
     pytest.importorskip("tunix", reason="tunix (the rl extra) is not installed")
-    out = _execute("04_rl_grpo.ipynb", tmp_path)
+    out = _execute("04_rl_grpo.ipynb", tmp_path, compile_cache(tmp_path_factory))
     with open(tmp_path / "04_rl_grpo.json") as f:
         res = json.load(f)
     cfg, steps = res["config"], res["steps"]

@@ -17,6 +17,8 @@ from _shared_once import build_once, compile_cache
 from _tiny_runs import hermetic_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The notebook test of 01_quickstart runs on this run's caches: one worker for both.
+pytestmark = pytest.mark.xdist_group("tiny_target")
 
 
 @pytest.fixture(scope="module")
