@@ -1,12 +1,13 @@
 """Expensive test artefacts (a tiny trained target, a quickstart run) built once per test session,
 not once per xdist worker.
 
-Each xdist worker is its own process with its own session fixtures, and ``xdist_group`` marks do
-not keep a module's tests on one worker (pytest 9 with xdist 3.8 ignores them, even under
-``--dist loadgroup``), so a session fixture used by tests on both workers used to be built
-twice. :func:`build_once` builds under the directory all workers of one run share (the parent
-of each worker's base temp dir), behind a file lock: the first worker to arrive builds, the others
-wait and reuse. Without xdist it is the session's base temp dir.
+Each xdist worker is its own process with its own session fixtures. ``xdist_group`` marks keep
+a group on one worker (``--dist loadgroup``; see ``conftest.pytest_collection_modifyitems`` for
+what pytest 9 needs), but an artefact used by tests of two groups, or by a run without the mark
+honoured, would be built once per worker. :func:`build_once` builds under the directory all
+workers of one run share (the parent of each worker's base temp dir), behind a file lock: the
+first worker to arrive builds, the others wait and reuse. Without xdist it is the session's base
+temp dir.
 
 The command-line runs of the tests also share JAX's persistent compilation cache
 (:func:`compile_cache`): a tiny target's train step, say, is compiled by the first subprocess that
