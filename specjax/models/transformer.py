@@ -34,6 +34,7 @@ from specjax.models.config import ModelConfig
 from specjax.models.attention import (attention_weights_mask, grouped_attention, kv_windows,
                                       windowed_attention, write_kv)
 from specjax.models.kv_cache import KVCache
+from specjax.models.partitioning import constrain_batch
 from specjax.models.layers import RMSNorm, apply_rope, param, rope_inv_freq
 
 class ForwardOutput(NamedTuple):
@@ -128,7 +129,8 @@ class Transformer(nnx.Module):
     # -- pieces reused by drafters -------------------------------------------------------------
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """``int [...]`` -> ``[..., D]`` in the compute dtype."""
-        return jnp.take(self.embed[...], tokens, axis=0).astype(self.config.compute_dtype)
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.config.compute_dtype)
+        return constrain_batch(x)  # keep the batch split under FSDP (see models/partitioning.py)
 
     def lm_logits(self, h: jax.Array, *, normed: bool = False) -> jax.Array:
         """Final norm (unless ``normed``) and LM head: ``[..., D]`` -> f32 ``[..., V]``."""
@@ -136,9 +138,10 @@ class Transformer(nnx.Module):
             h = self.final_norm(h)
         if self.lm_head is None:
             w = self.embed[...].astype(h.dtype)
-            return jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
-        return jnp.einsum("...d,dv->...v", h, self.lm_head[...].astype(h.dtype),
-                          preferred_element_type=jnp.float32)
+            return constrain_batch(
+                jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32))
+        return constrain_batch(jnp.einsum("...d,dv->...v", h, self.lm_head[...].astype(h.dtype),
+                                          preferred_element_type=jnp.float32))
 
     def inv_freq(self) -> jax.Array:
         c = self.config

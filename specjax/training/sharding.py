@@ -27,13 +27,15 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from specjax.models.partitioning import BATCH_MESH_AXES
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # THE table. Each logical name maps to one mesh axis, a tuple of mesh axes (sharded over their
 # product, major to minor), or None (replicated). Names absent from the table are replicated.
 LOGICAL_AXIS_RULES: dict[str, Union[None, str, tuple[str, ...]]] = {
     # activations / data
-    "batch": ("data", "fsdp"),
+    "batch": BATCH_MESH_AXES,  # ("data", "fsdp"); the models pin activations to it
     "length": None,
     # parameters
     "vocab": "tensor",

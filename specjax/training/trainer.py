@@ -24,6 +24,7 @@ token-mean loss up to float summation order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence
@@ -131,11 +132,11 @@ class Trainer:
 
         self._init = jax.jit(self._init_fn, out_shardings=self.state_shardings)
         self._step = jax.jit(
-            self._train_step,
+            self._on_mesh(self._train_step),
             in_shardings=(self.state_shardings, self._batch_sharding, self.frozen_shardings),
             out_shardings=(self.state_shardings, replicated), donate_argnums=0)
         self._eval_step = jax.jit(
-            self._eval_fn,
+            self._on_mesh(self._eval_fn),
             in_shardings=(self.state_shardings.params, self._batch_sharding,
                           self.frozen_shardings),
             out_shardings=replicated)
@@ -241,6 +242,18 @@ class Trainer:
             self.tx, lambda _, s: s, self.abstract_state.opt_state, params,
             transform_non_params=lambda _: replicated, is_leaf=_is_leaf_sharding)
         return TrainState(step=replicated, params=params, opt_state=opt, rng=replicated)
+
+    def _on_mesh(self, fn):
+        """``fn`` traced with this trainer's mesh as the abstract mesh context, so that the
+        models' activation constraints (``specjax.models.partitioning.constrain_batch``: the
+        batch stays split under FSDP) see the mesh; without one they do nothing."""
+        abstract_mesh = self.mesh.abstract_mesh
+
+        @functools.wraps(fn)
+        def traced(*args):
+            with jax.sharding.use_abstract_mesh(abstract_mesh):
+                return fn(*args)
+        return traced
 
     # -- public API -----------------------------------------------------------------------------
     def init_state(self) -> TrainState:

@@ -1,0 +1,41 @@
+"""Where activations live on a device mesh: the batch axis of activations, pinned.
+
+specjax's models carry no sharding of their own: a jitted step gets its inputs' and parameters'
+shardings (``specjax.training.sharding``) and XLA's partitioner propagates them. One place where
+propagation goes wrong is the embedding lookup under FSDP: the table ``[V, D]`` is sharded on
+``D`` over the ``fsdp`` axis and the tokens ``[B, T]`` on ``B`` over the same axis, and the
+gather's output ``[B, T, D]`` can keep only one of the two. The partitioner keeps the table's,
+which replicates the batch: every chip then runs the whole global batch through the network (per
+chip memory grew with the number of chips at one row per chip, measured by ``specjax.aot``
+compiles for TPU; tests/test_aot_tpu.py). :func:`constrain_batch` after the lookup keeps the
+batch split, so the table is all-gathered instead (what FSDP means).
+
+A no-op outside a mesh context (``jax.set_mesh``), so single-device code, tests and the engine
+are unchanged; the trainer traces its steps under its mesh.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import PartitionSpec
+
+# The mesh axes the batch of activations is split over, major to minor: the "batch" entry of
+# specjax.training.sharding.LOGICAL_AXIS_RULES, which is defined from this one.
+BATCH_MESH_AXES = ("data", "fsdp")
+
+
+def constrain_batch(x: jax.Array) -> jax.Array:
+    """``x [B, ...]`` with its leading axis split over the active mesh's batch axes.
+
+    Returns ``x`` unchanged when no mesh is active, when the mesh has no batch axis of size > 1,
+    or when ``B`` is not divisible by their product (then the partitioner decides, as before).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    axes = tuple(a for a in BATCH_MESH_AXES if sizes.get(a, 1) > 1)
+    if not axes or x.ndim == 0 or x.shape[0] % math.prod(sizes[a] for a in axes):
+        return x
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(axes))
