@@ -32,6 +32,8 @@ TOKENS_PER_STEP = 256 * 4096  # global batch, whatever the sequence length
 SEQ_LEN = 4096
 # Sequence length where 4096 does not fit one row per chip (HBM per chip: v5e 16 GiB, v6e
 # 32 GiB, v5p 95 GiB); measured by `python -m experiments.tpu_plan --table`, see docs/TPU.md.
+# Measured before the FSDP batch fix of docs/TPU.md, which cut per-chip memory at one row per
+# chip: longer sequences may fit now (`tpu_plan --fit` from 4096 re-checks a slice).
 SHORTER_SEQ = {("v5e", "qwen3-8b"): 1024, ("v5e", "qwen3-4b"): 1024, ("v5e", "qwen3-0.6b"): 2048,
                ("v6e", "qwen3-8b"): 2048, ("v6e", "qwen3-4b"): 2048, ("v6e", "qwen3-0.6b"): 2048}
 ROWS_PER_CHIP = 1  # microbatch rows per chip (more steps of gradient accumulation otherwise)
