@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from specjax.aot.compile import abstract, replicated_like
 from specjax.models import ModelConfig, Transformer
+from specjax.models import partitioning
 from specjax.training import sharding as sharding_lib
 
 
@@ -219,7 +220,18 @@ def engine_steps(target_config: ModelConfig, task_config: ml_collections.ConfigD
     if shapes.loop_steps:
         programs.append(_loop_program(shapes, graphdef, t_abs, drafter, d_abs, frozen, state_abs,
                                       sampling, key, rep, mesh, common))
+    # The slots are replicated over the mesh's data axis (independent engine replicas): no batch
+    # constraint may split them (specjax.models.partitioning).
+    for p in programs:
+        p.lower = _unconstrained(p.lower)
     return programs
+
+
+def _unconstrained(lower: Callable[[], Any]) -> Callable[[], Any]:
+    def run():
+        with partitioning.unconstrained():
+            return lower()
+    return run
 
 
 def _loop_program(shapes: EngineShapes, graphdef, t_abs, drafter, d_abs, frozen, state_abs,

@@ -15,6 +15,8 @@ are unchanged; the trainer traces its steps under its mesh.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import jax
@@ -24,15 +26,30 @@ from jax.sharding import PartitionSpec
 # specjax.training.sharding.LOGICAL_AXIS_RULES, which is defined from this one.
 BATCH_MESH_AXES = ("data", "fsdp")
 
+_ENABLED = contextvars.ContextVar("specjax_constrain_batch", default=True)
+
+
+@contextlib.contextmanager
+def unconstrained():
+    """Inside the ``with`` (at trace time), :func:`constrain_batch` does nothing: for programs
+    whose leading axis is not a batch to split over ``data`` / ``fsdp``, e.g. the serving
+    engine's steps compiled ahead of time, whose slots are replicated over the ``data`` axis
+    (independent engine replicas, ``specjax.aot.engine_steps``)."""
+    token = _ENABLED.set(False)
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
+
 
 def constrain_batch(x: jax.Array) -> jax.Array:
     """``x [B, ...]`` with its leading axis split over the active mesh's batch axes.
 
-    Returns ``x`` unchanged when no mesh is active, when the mesh has no batch axis of size > 1,
+    Returns ``x`` unchanged when no mesh is active, inside :func:`unconstrained`, when the mesh has no batch axis of size > 1,
     or when ``B`` is not divisible by their product (then the partitioner decides, as before).
     """
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if mesh.empty or not _ENABLED.get():
         return x
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     axes = tuple(a for a in BATCH_MESH_AXES if sizes.get(a, 1) > 1)
