@@ -281,12 +281,12 @@ def main(argv=None):
                          for p, rs in runs.items()}}
         if c == args.overlap_at:
             ratios = []
+            # a policy that drafts (overlap hides host work behind drafting)
+            ov_pol = next((p for p in ("dspark", "production", *pols) if p in pols
+                           and p != "none"), pols[0])
             for rep in range(args.reps):
                 res = {}
                 for ov in (False, True):
-                    # a policy that drafts (overlap hides host work behind drafting)
-                    ov_pol = next((p for p in ("dspark", "production", *pols) if p in pols
-                                   and p != "none"), pols[0])
                     cfg = EngineConfig(**{**base.__dict__, "scheduler": POLICIES[ov_pol],
                                           "overlap": ov, "loop": "host"})
                     res[ov] = run_one(target, drafter, params, frozen, cfg, prompts,

@@ -143,24 +143,18 @@ def test_fsdp_keeps_the_batch_split_as_chips_grow():
 
     The embedding lookup and the LM head used to come out of XLA's partitioner with the batch
     replicated (the weights' ``fsdp`` sharding of ``D`` won over the tokens' ``fsdp`` sharding of
-    ``B``): this MTP + e2e-TV step needed 3.2 GiB of temporaries per chip on 4 chips and 14.3 GiB
-    on 16. ``specjax.models.partitioning.constrain_batch`` pins the batch; the step now costs the
-    same per chip on 4 and 16 chips. Every position is an anchor: the target's full ``[B, T, V]``
-    logits, its embedding and the drafter's shared head are all on the path.
+    ``B``): this MTP + e2e-TV step needed 3.1 GiB of temporaries per chip on 4 chips and 11.7 GiB
+    on 16 (``experiments/fsdp_scaling.py``). ``specjax.models.partitioning.constrain_batch`` pins
+    the batch; the step now costs the same per chip on 4 and 16 chips. Every position is an
+    anchor: the target's full ``[B, T, V]`` logits, its embedding and the drafter's shared head are
+    all on the path.
     """
-    from experiments.configs.tpu_pod import get_config
+    from experiments.fsdp_scaling import TOPOLOGIES, compile_step, mtp_config
     reports = {}
-    for topo, chips in (("v5e:2x2", 4), ("v5e:4x4", 16)):
-        c = get_config(f"tiny,mtp,{topo}")
-        c.unlock()
-        c.model.overrides.vocab_size = 32768
-        c.data.seq_len, c.data.batch_size, c.train.grad_accum_steps = 256, chips, 1
-        c.task.anchors_per_row = 256
-        c.lock()
-        mesh = aot.topology_mesh(topo, c.mesh.to_dict())
-        assert mesh.shape["fsdp"] == chips
-        r = aot.compile_program(aot.train_step(c, mesh), mesh, topo)
+    for topo, chips in TOPOLOGIES:
+        r = compile_step(mtp_config(topo, chips), topo)
         assert r.compiled, r.error
+        assert r.mesh["fsdp"] == chips
         reports[chips] = r
     small, big = reports[4], reports[16]
     assert big.bytes_accessed <= 1.25 * small.bytes_accessed

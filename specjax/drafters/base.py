@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.models.partitioning import constrain_batch
+from specjax.models.transformer import embed_lookup, head_logits
 from specjax.sampling import logits_to_probs, sample
 
 __all__ = [
@@ -135,9 +135,8 @@ class SharedHead:
         return jnp.dtype(self.dtype)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-        """``int [B, ...]`` -> ``[B, ..., D]``; the batch stays split on a mesh
-        (:func:`specjax.models.partitioning.constrain_batch`)."""
-        return constrain_batch(jnp.take(self.embed, tokens, axis=0).astype(self.compute_dtype))
+        """``int [B, ...]`` -> ``[B, ..., D]`` (:func:`specjax.models.transformer.embed_lookup`)."""
+        return embed_lookup(self.embed, tokens, self.compute_dtype)
 
     def final_norm(self, h: jax.Array) -> jax.Array:
         hf = h.astype(jnp.float32)
@@ -148,11 +147,7 @@ class SharedHead:
         """``[..., D]`` -> float32 ``[..., V]`` (target final norm unless ``normed``)."""
         if not normed:
             h = self.final_norm(h)
-        if self.lm_head is None:
-            return constrain_batch(jnp.einsum("...d,vd->...v", h, self.embed.astype(h.dtype),
-                                              preferred_element_type=jnp.float32))
-        return constrain_batch(jnp.einsum("...d,dv->...v", h, self.lm_head.astype(h.dtype),
-                                          preferred_element_type=jnp.float32))
+        return head_logits(h, self.embed, self.lm_head)
 
     def logical_axes(self) -> "SharedHead":
         """Same structure, each array leaf replaced by its logical axis names."""

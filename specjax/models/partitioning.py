@@ -10,8 +10,11 @@ chip memory grew with the number of chips at one row per chip, measured by ``spe
 compiles for TPU; tests/test_aot_tpu.py). :func:`constrain_batch` after the lookup keeps the
 batch split, so the table is all-gathered instead (what FSDP means).
 
-A no-op outside a mesh context (``jax.set_mesh``), so single-device code, tests and the engine
-are unchanged; the trainer traces its steps under its mesh.
+A no-op outside a mesh context (``jax.set_mesh`` or ``jax.sharding.use_abstract_mesh``), so
+single-device code, tests and the engine are unchanged; the trainer traces its steps under its
+mesh. The constraint sits after the embedding lookup and the LM head
+(``specjax.models.transformer.embed_lookup`` / ``head_logits``, shared by the target and the
+drafters' frozen head).
 """
 from __future__ import annotations
 
@@ -45,8 +48,9 @@ def unconstrained():
 def constrain_batch(x: jax.Array) -> jax.Array:
     """``x [B, ...]`` with its leading axis split over the active mesh's batch axes.
 
-    Returns ``x`` unchanged when no mesh is active, inside :func:`unconstrained`, when the mesh has no batch axis of size > 1,
-    or when ``B`` is not divisible by their product (then the partitioner decides, as before).
+    Returns ``x`` unchanged when no mesh is active, inside :func:`unconstrained`, when the mesh
+    has no batch axis of size > 1, or when ``B`` is not divisible by their product (then the
+    partitioner decides, as before).
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not _ENABLED.get():

@@ -113,6 +113,25 @@ class Block(nnx.Module):
         self.mlp = MLP(config, rngs=rngs)
 
 
+def embed_lookup(embed: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
+    """Embedding rows of ``tokens int [B, ...]`` from ``embed [V, D]``: ``[B, ..., D]`` in
+    ``dtype``. The batch stays split on a mesh (``specjax.models.partitioning``: under FSDP the
+    partitioner would otherwise keep the table's sharding of ``D`` and replicate the batch)."""
+    return constrain_batch(jnp.take(embed, tokens, axis=0).astype(dtype))
+
+
+def head_logits(h: jax.Array, embed: jax.Array, lm_head: Optional[jax.Array]) -> jax.Array:
+    """LM head: ``h [B, ..., D]`` -> float32 ``[B, ..., V]`` through ``lm_head [D, V]``, or the
+    tied ``embed [V, D]`` when ``lm_head`` is None; the batch stays split on a mesh."""
+    if lm_head is None:
+        logits = jnp.einsum("...d,vd->...v", h, embed.astype(h.dtype),
+                            preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("...d,dv->...v", h, lm_head.astype(h.dtype),
+                            preferred_element_type=jnp.float32)
+    return constrain_batch(logits)
+
+
 class Transformer(nnx.Module):
     """Decoder-only Qwen3 / Llama model. See the module docstring for the forward modes."""
 
@@ -129,19 +148,13 @@ class Transformer(nnx.Module):
     # -- pieces reused by drafters -------------------------------------------------------------
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """``int [...]`` -> ``[..., D]`` in the compute dtype."""
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.config.compute_dtype)
-        return constrain_batch(x)  # keep the batch split under FSDP (see models/partitioning.py)
+        return embed_lookup(self.embed[...], tokens, self.config.compute_dtype)
 
     def lm_logits(self, h: jax.Array, *, normed: bool = False) -> jax.Array:
         """Final norm (unless ``normed``) and LM head: ``[..., D]`` -> f32 ``[..., V]``."""
         if not normed:
             h = self.final_norm(h)
-        if self.lm_head is None:
-            w = self.embed[...].astype(h.dtype)
-            return constrain_batch(
-                jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32))
-        return constrain_batch(jnp.einsum("...d,dv->...v", h, self.lm_head[...].astype(h.dtype),
-                                          preferred_element_type=jnp.float32))
+        return head_logits(h, self.embed[...], None if self.lm_head is None else self.lm_head[...])
 
     def inv_freq(self) -> jax.Array:
         c = self.config
