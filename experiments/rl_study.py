@@ -25,17 +25,20 @@ import sys
 import time
 
 MODES = {
-    "tiny": dict(preset="tiny", losses=("ce", "kl", "tv", "e2e_tv"), gammas=(2,), caps=(64,),
+    "tiny": dict(preset="tiny", warm_start=True,
+                 losses=("ce", "kl", "tv", "e2e_tv"), gammas=(2,), caps=(64,),
                  temps=(1.0,), drafter_steps=2, drafter_batch=4, n_rows=8, rl_steps=2, seeds=(0,),
                  eval_every=1, n_train=32, n_heldout=4, prompts_per_step=2, num_generations=2,
                  max_new_tokens=8, max_prompt_length=96, num_slots=4, learning_rate=1e-3,
                  drafter_lr=1e-3, problem_seed=1234),
-    "small": dict(preset="tiny", losses=("ce", "kl", "tv", "e2e_tv"), gammas=(3, 5), caps=(64, 256),
+    "small": dict(preset="tiny", warm_start=True,
+                  losses=("ce", "kl", "tv", "e2e_tv"), gammas=(3, 5), caps=(64, 256),
                   temps=(0.6, 1.0), drafter_steps=100, drafter_batch=8, n_rows=128, rl_steps=20,
                   seeds=(0, 1, 2), eval_every=5, n_train=256, n_heldout=32, prompts_per_step=4,
                   num_generations=4, max_new_tokens=32, max_prompt_length=96, num_slots=16,
                   learning_rate=1e-4, drafter_lr=1e-4, problem_seed=1234),
-    "full": dict(preset="small", losses=("ce", "kl", "tv", "e2e_tv"), gammas=(3, 5, 7),
+    "full": dict(preset="small", warm_start=True,
+                 losses=("ce", "kl", "tv", "e2e_tv"), gammas=(3, 5, 7),
                  caps=(128, 256, 768), temps=(0.6, 1.0, 1.2), drafter_steps=300, drafter_batch=16,
                  n_rows=1024, rl_steps=100, seeds=(0, 1, 2), eval_every=10, n_train=2000,
                  n_heldout=200, prompts_per_step=8, num_generations=4, max_new_tokens=64,
@@ -52,11 +55,44 @@ ARMS = (
 )
 
 
-def mode_params(mode: str) -> dict:
+def parse_overrides(items) -> dict:
+    """``["rl_steps=30", "seeds=0,1", "temps=1.0"]`` -> typed values for :data:`MODES` keys.
+
+    A tuple-valued key takes a comma-separated list; every value is parsed with the type of the
+    mode's default (so a typo in a key or a value is an error, not a silent default)."""
+    ref, out = MODES["full"], {}
+    for item in items or ():
+        key, sep, raw = str(item).partition("=")
+        key = key.strip()
+        if not sep or key not in ref:
+            raise ValueError(f"--set wants key=value with key in {sorted(ref)}, got {item!r}")
+        default = ref[key]
+        try:
+            if isinstance(default, tuple):
+                kind = type(default[0])
+                out[key] = tuple(kind(v) for v in raw.split(",") if v.strip())
+                if not out[key]:
+                    raise ValueError("empty list")
+            elif isinstance(default, bool):
+                if raw.strip().lower() not in ("true", "false", "1", "0"):
+                    raise ValueError("want true or false")
+                out[key] = raw.strip().lower() in ("true", "1")
+            else:
+                out[key] = type(default)(raw)
+        except ValueError as e:
+            raise ValueError(f"--set {key}: cannot parse {raw!r} as {type(default).__name__}"
+                             f" ({e})") from None
+    return out
+
+
+def mode_params(mode: str, overrides: dict | None = None) -> dict:
+    """The mode's parameters, with ``overrides`` (see :func:`parse_overrides`) applied."""
     if mode not in MODES:
         raise ValueError(f"--mode must be one of {sorted(MODES)}, got {mode!r}")
     p = dict(MODES[mode])
+    p.update(overrides or {})
     p["mode"] = mode
+    p["overrides"] = dict(overrides or {})
     p["temperature"] = 1.0 if 1.0 in p["temps"] else p["temps"][0]  # the RL sampling temperature
     p["gamma"], p["cap"] = p["gammas"][0], p["caps"][-1]  # the base cell (and the arms' γ)
     return p
@@ -133,7 +169,12 @@ def run_adaptation(p, model, tok, target_workdir, workdir) -> list[dict]:
                                    seq_len, seed=1 if split == "train" else 2)
                 save_rows(path, rows)
             files[split] = path
-        c = train_drafter.get_config(f"mtp_{cell['loss']}" + (",tiny" if p["mode"] == "tiny" else ""))
+        # Soft losses fine-tune a CE-trained head (CE for the first half of the budget), as
+        # Bebop's pre-RL adaptation does: from a random init the TV losses learn slowly
+        # (their gradient is proportional to q), which would compare initialisations, not losses.
+        ws = "_ws" if p["warm_start"] and cell["loss"] != "ce" else ""
+        c = train_drafter.get_config(f"mtp_{cell['loss']}{ws}"
+                                     + (",tiny" if p["mode"] == "tiny" else ""))
         c.model.preset = p["preset"]
         c.model.overrides = {"vocab_size": model.config.vocab_size}
         c.task.target_workdir, c.task.target_seed = target_workdir, 0
@@ -143,6 +184,8 @@ def run_adaptation(p, model, tok, target_workdir, workdir) -> list[dict]:
         c.task.anchors_per_row = 16
         c.data.seq_len, c.data.batch_size, c.data.eval_batches = seq_len, p["drafter_batch"], -1
         c.train.num_steps, c.checkpoint.every = p["drafter_steps"], p["drafter_steps"]
+        if c.task.warm_start_loss:
+            c.task.switch_step = max(1, p["drafter_steps"] // 2)
         c.train.log_every = max(1, p["drafter_steps"] // 4)
         t0 = time.perf_counter()
         res = run_drafter(c, d)
@@ -176,15 +219,19 @@ def run_arms(p, model_factory, tok, adapt, workdir) -> list[dict]:
     return out
 
 
-def run_study(mode: str, workdir: str, target_workdir: str = "", results_dir: str = "") -> dict:
-    """Runs (or resumes) the study; writes ``study.json`` and the figures into ``results_dir``
-    (default ``<workdir>/results``) and returns the summary."""
+def run_study(mode: str, workdir: str, target_workdir: str = "", results_dir: str = "",
+              overrides: dict | None = None, name: str = "") -> dict:
+    """Runs (or resumes) the study; writes ``study_<name>.json`` (``name`` defaults to the mode)
+    and the figures into ``results_dir`` (default ``<workdir>/results``) and returns the summary.
+    A workdir belongs to one set of parameters: resuming it with others is refused."""
     from experiments.rl_study_report import summarize, write_figures
-    p = mode_params(mode)
+    p = mode_params(mode, overrides)
+    name = name or mode
     if mode == "full" and not target_workdir:
         raise ValueError("--mode full needs --target_workdir (a pretrain_target.py workdir)")
     workdir = os.path.abspath(workdir)
     results_dir = results_dir or os.path.join(workdir, "results")
+    _check_workdir_params(workdir, p)
     model, tok = build_policy(p, target_workdir)
     t0 = time.perf_counter()
     adapt = run_adaptation(p, model, tok, target_workdir, workdir)
@@ -192,10 +239,28 @@ def run_study(mode: str, workdir: str, target_workdir: str = "", results_dir: st
     summary = summarize(p, adapt, arms)
     summary["seconds"] = time.perf_counter() - t0
     os.makedirs(results_dir, exist_ok=True)
-    with open(os.path.join(results_dir, f"study_{mode}.json"), "w") as f:
+    with open(os.path.join(results_dir, f"study_{name}.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    write_figures(summary, results_dir, mode)
+    write_figures(summary, results_dir, name)
     return summary
+
+
+def _check_workdir_params(workdir: str, p: dict) -> None:
+    """Records the parameters in ``<workdir>/params.json``; a resume with other ones is an error
+    (finished cells and arms would otherwise be mixed with new ones)."""
+    path = os.path.join(workdir, "params.json")
+    mine = json.loads(json.dumps(p))  # tuples -> lists, as stored
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        if old != mine:
+            diff = sorted(k for k in set(old) | set(mine) if old.get(k) != mine.get(k))
+            raise ValueError(f"{workdir} holds a study with other parameters ({', '.join(diff)});"
+                             " use another --workdir")
+        return
+    os.makedirs(workdir, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(mine, f, indent=1)
 
 
 def main(argv=None) -> None:
@@ -205,8 +270,15 @@ def main(argv=None) -> None:
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--target_workdir", default="")
     ap.add_argument("--results_dir", default="", help="default <workdir>/results")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a mode parameter, e.g. --set rl_steps=30 --set seeds=0,1")
+    ap.add_argument("--name", default="", help="results file suffix (default: the mode)")
     a = ap.parse_args(argv)
-    s = run_study(a.mode, a.workdir, a.target_workdir, a.results_dir)
+    try:
+        overrides = parse_overrides(a.set)
+    except ValueError as e:
+        ap.error(str(e))
+    s = run_study(a.mode, a.workdir, a.target_workdir, a.results_dir, overrides, a.name)
     print(json.dumps(s["claims"], indent=1), file=sys.stdout)
 
 

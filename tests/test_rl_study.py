@@ -103,3 +103,21 @@ def test_tiny_study_end_to_end(tmp_path):
     with open(tmp_path / "r" / "study_tiny.json") as f:
         assert json.load(f)["arms"].keys() == s["arms"].keys()
     assert {a["name"] for a in rl_study.ARMS} == set(s["arms"])
+
+
+def test_study_overrides_are_typed_and_checked(tmp_path):
+    from experiments import rl_study as S
+    o = S.parse_overrides(["rl_steps=30", "seeds=0,1", "temps=0.6,1.0", "learning_rate=3e-5"])
+    assert o == {"rl_steps": 30, "seeds": (0, 1), "temps": (0.6, 1.0), "learning_rate": 3e-5}
+    p = S.mode_params("small", o)
+    assert p["rl_steps"] == 30 and p["seeds"] == (0, 1) and p["overrides"] == o
+    assert p["temperature"] == 1.0 and p["gamma"] == 3  # derived after the overrides
+    assert S.parse_overrides(["warm_start=false"]) == {"warm_start": False}
+    for bad in (["rl_step=3"], ["rl_steps"], ["rl_steps=3.5"], ["seeds="], ["warm_start=no"]):
+        with pytest.raises(ValueError):
+            S.parse_overrides(bad)
+    # a workdir keeps its parameters: resuming with others is refused, the same ones pass
+    S._check_workdir_params(str(tmp_path), p)
+    S._check_workdir_params(str(tmp_path), S.mode_params("small", o))
+    with pytest.raises(ValueError, match="rl_steps"):
+        S._check_workdir_params(str(tmp_path), S.mode_params("small", {"rl_steps": 31}))
