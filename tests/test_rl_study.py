@@ -121,3 +121,37 @@ def test_study_overrides_are_typed_and_checked(tmp_path):
     S._check_workdir_params(str(tmp_path), S.mode_params("small", o))
     with pytest.raises(ValueError, match="rl_steps"):
         S._check_workdir_params(str(tmp_path), S.mode_params("small", {"rl_steps": 31}))
+
+
+def test_summary_claims_on_synthetic_arms():
+    """Hand-made records: TO's acceptance falls 0.1 per nat of entropy, RS's 0.01; RS's acceptance
+    alternates ±3 points around a flat line (max drift 6 points, fitted trend ~0)."""
+    from experiments.rl_study_report import summarize
+    steps, gamma = 11, 2  # odd: the ±3 wobble has no linear trend
+    h = 1.0 + 0.1 * np.arange(steps)
+
+    def records(acc):
+        return [{"acceptance": float(a), "entropy": float(e), "tau": 2.0, "reward": 0.1,
+                 "heldout_accuracy": 0.1 if t == 0 else None, "rollout_s": 1.0, "step_s": 2.0,
+                 "alpha_1": float(a), "alpha_2": float(a)} for t, (a, e) in enumerate(zip(acc, h))]
+
+    wobble = 0.03 * (-1.0) ** np.arange(steps)
+    arms = []
+    for seed in (0, 1):
+        arms.append({"arm": "no_spec", "seed": seed, "records": records(np.full(steps, 0.5)),
+                     "heldout_accuracy_end": 0.2})
+        arms.append({"arm": "to_ce", "seed": seed, "records": records(0.6 - 0.1 * (h - 1)),
+                     "heldout_accuracy_end": 0.2})
+        arms.append({"arm": "rs_e2e_tv", "seed": seed, "heldout_accuracy_end": 0.2 + 0.01 * seed,
+                     "records": records(0.8 - 0.01 * (h - 1) + wobble)})
+    s = summarize({"mode": "test", "gamma": gamma}, [], arms)
+    c = s["claims"]
+    assert c["slope_rs_e2e_tv_le_third_of_to"]["holds"]
+    assert s["arms"]["to_ce"]["slope"][0] == pytest.approx(-0.1)
+    drift = c["rs_e2e_tv_acceptance_within_2_points"]
+    assert drift["max_abs_drift_points"] == pytest.approx(6.9, abs=1e-9)  # 6 + 0.9 of the trend
+    assert not drift["holds_max"] and drift["holds"]
+    assert abs(drift["trend_drift_points"][0]) < 2
+    assert c["accuracy_gain_equal_within_noise"]["paired_diff_rs_e2e_tv_minus_no_spec"][0] == \
+        pytest.approx(0.005)
+    assert c["rollout_speedup_vs_no_spec"]["rs_e2e_tv"] == pytest.approx(1.0)
