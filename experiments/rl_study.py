@@ -200,6 +200,21 @@ def run_adaptation(p, model, tok, target_workdir, workdir) -> list[dict]:
     return out
 
 
+def adaptation_gains(workdir: str, adapt: list[dict]) -> dict:
+    """Paired, row-clustered gains (points) of e2e-TV over KL and of KL over hard CE per cell
+    (:mod:`experiments.rl_study_gains`); cached in ``<workdir>/gains.json``."""
+    from experiments.rl_study_gains import paired_gains
+    path = os.path.join(workdir, "gains.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    out = {"e2e_tv_vs_kl": paired_gains(workdir, adapt, "e2e_tv", "kl"),
+           "kl_vs_ce": paired_gains(workdir, adapt, "kl", "ce")}
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    return out
+
+
 def run_arms(p, model_factory, tok, adapt, workdir) -> list[dict]:
     from experiments.rl_study_arms import run_arm
     from specjax.training.drafter_run import load_drafter
@@ -237,6 +252,7 @@ def run_study(mode: str, workdir: str, target_workdir: str = "", results_dir: st
     adapt = run_adaptation(p, model, tok, target_workdir, workdir)
     arms = run_arms(p, lambda: build_policy(p, target_workdir)[0], tok, adapt, workdir)
     summary = summarize(p, adapt, arms)
+    summary["adaptation_paired_gains"] = adaptation_gains(workdir, adapt)
     summary["seconds"] = time.perf_counter() - t0
     os.makedirs(results_dir, exist_ok=True)
     with open(os.path.join(results_dir, f"study_{name}.json"), "w") as f:

@@ -155,3 +155,16 @@ def test_summary_claims_on_synthetic_arms():
     assert c["accuracy_gain_equal_within_noise"]["paired_diff_rs_e2e_tv_minus_no_spec"][0] == \
         pytest.approx(0.005)
     assert c["rollout_speedup_vs_no_spec"]["rs_e2e_tv"] == pytest.approx(1.0)
+
+
+def test_paired_gain_by_hand():
+    from experiments.rl_study_gains import paired_gain
+    from specjax.stats import clustered_ratio
+    n = np.array([2.0, 2.0, 4.0])
+    a, b = (np.array([2.0, 1.0, 3.0]), n), (np.array([1.0, 1.0, 2.0]), n)
+    g = paired_gain(a, b)
+    assert g["a"] == pytest.approx(6 / 8) and g["b"] == pytest.approx(4 / 8)
+    assert g["gain_points"] == pytest.approx(25.0) and g["rows"] == 3
+    assert g["gain_se_points"] == pytest.approx(100 * clustered_ratio([1.0, 0.0, 1.0], n)[1])
+    with pytest.raises(ValueError, match="same rows"):
+        paired_gain(a, (b[0], n + 1))
