@@ -239,7 +239,7 @@ def run_study(mode: str, workdir: str, target_workdir: str = "", results_dir: st
     """Runs (or resumes) the study; writes ``study_<name>.json`` (``name`` defaults to the mode)
     and the figures into ``results_dir`` (default ``<workdir>/results``) and returns the summary.
     A workdir belongs to one set of parameters: resuming it with others is refused."""
-    from experiments.rl_study_report import summarize, write_figures
+    from experiments.rl_study_report import study_markdown, summarize, write_figures
     p = mode_params(mode, overrides)
     name = name or mode
     if mode == "full" and not target_workdir:
@@ -257,6 +257,8 @@ def run_study(mode: str, workdir: str, target_workdir: str = "", results_dir: st
     os.makedirs(results_dir, exist_ok=True)
     with open(os.path.join(results_dir, f"study_{name}.json"), "w") as f:
         json.dump(summary, f, indent=1)
+    with open(os.path.join(results_dir, f"study_{name}.md"), "w") as f:
+        f.write(study_markdown(summary))
     write_figures(summary, results_dir, name)
     return summary
 

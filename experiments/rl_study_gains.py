@@ -7,9 +7,10 @@ anchors of one row share its text, so they are not independent).
 
 Per row i and head h: ``y_hi`` = Σ over the row's anchor blocks of the teacher-forced
 rejection-sampling acceptance ``1 − e2e_tv`` (:func:`specjax.losses.e2e_tv_from_tv`), ``n_i`` =
-its valid blocks. A head's acceptance is ``Σ y_hi / Σ n_i`` (the drafter run's ``accept_rate``
-pooled over rows instead of averaged over batches); the gain is the ratio estimator of ``y_ai − y_bi`` over ``n_i``, with the
-cluster-robust error of :func:`specjax.stats.clustered_ratio`.
+its valid blocks. A head's acceptance is ``Σ y_hi / Σ n_i`` (the drafter run's ``accept_rate``,
+pooled over rows instead of averaged over batches); the gain is the ratio estimator of
+``y_ai − y_bi`` over ``n_i``, with the cluster-robust error of
+:func:`specjax.stats.clustered_ratio`.
 """
 from __future__ import annotations
 

@@ -187,3 +187,60 @@ def write_figures(summary: dict, out_dir: str, tag: str) -> list[str]:
     ax.set_ylabel("held-out RS accept rate"), ax.legend(fontsize=7)
     save(fig, "adaptation")
     return paths
+
+
+def _pm(ms, scale=1.0, fmt=".2f"):
+    """``mean ± se`` of a ``(mean, se)`` pair (``mean`` alone when the s.e. is nan)."""
+    m, se = ms
+    if m is None or not np.isfinite(m):
+        return "-"
+    return f"{scale * m:{fmt}}" + (f" ± {scale * se:{fmt.lstrip('+')}}" if np.isfinite(se) else "")
+
+
+def _first_last(series, fmt=".3f"):
+    v = [x for x in series if x is not None]
+    return f"{v[0]:{fmt}} → {v[-1]:{fmt}}" if v else "-"
+
+
+def study_markdown(summary: dict) -> str:
+    """The study's tables (adaptation, paired gains, arms, claims) as markdown, every number
+    read from ``summary`` (what :func:`summarize` returns, plus ``adaptation_paired_gains``)."""
+    p = summary["params"]
+    lines = [f"Mode `{summary['mode']}`, overrides `{p.get('overrides', {})}`; "
+             f"RL γ = {p['gamma']}, temperature {p['temperature']}, {len(p['seeds'])} seed(s), "
+             f"{p['rl_steps']} steps.", "",
+             "**Pre-RL adaptation** (held-out teacher-forced RS acceptance):", "",
+             "| loss | γ | capacity | T | accept rate | α per position |",
+             "|---|---|---|---|---|---|"]
+    for c in sorted(summary["adaptation"], key=lambda c: (c["gamma"], c["cap"], c["temp"],
+                                                          c["loss"])):
+        lines.append(f"| {c['loss']} | {c['gamma']} | {c['cap']} | {c['temp']} | "
+                     f"{c['accept_rate']:.4f} | {' '.join(f'{a:.3f}' for a in c['alpha'])} |")
+    gains = summary.get("adaptation_paired_gains") or {}
+    if gains:
+        lines += ["", "**Paired gains** (points, ± s.e. clustered by held-out row):", "",
+                  "| comparison | γ | capacity | T | gain | rows |", "|---|---|---|---|---|---|"]
+        for name, rows in gains.items():
+            for g in rows:
+                lines.append(f"| {name.replace('_vs_', ' over ')} | {g['gamma']} | {g['cap']} | "
+                             f"{g['temp']} | {g['gain_points']:+.2f} ± {g['gain_se_points']:.2f} "
+                             f"| {g['rows']} |")
+    lines += ["", "**GRPO arms** (series: mean over seeds, first → last step; "
+              "± s.e. over seeds):", "", "| arm | acceptance | fitted drift (points) | entropy | slope b | τ | "
+              "held-out acc. start → end | acc. gain (points) | rollout s | step s |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for n, a in summary["arms"].items():
+        m = a["mean"]
+        acc = [x for x in m["heldout_accuracy"] if x is not None]
+        drift = _pm(a.get("drift_trend", (None, 0)), 100, "+.1f")
+        lines.append(
+            f"| {n} | {_first_last(m['acceptance'])} | {drift} | "
+            f"{_first_last(m['entropy'])} | {_pm(a.get('slope', (None, 0)), 1, '.3f')} | "
+            f"{_first_last(m['tau'], '.2f')} | {acc[0] if acc else float('nan'):.3f} → "
+            f"{acc[0] + a['accuracy_gain'][0] if acc else float('nan'):.3f} | "
+            f"{_pm(a['accuracy_gain'], 100, '+.1f')} | {_pm(a['rollout_s'])} | "
+            f"{_pm(a['step_s'])} |")
+    lines += ["", "**Claims:**", ""]
+    for k, v in summary["claims"].items():
+        lines.append(f"- `{k}`: {v}")
+    return "\n".join(lines) + "\n"

@@ -155,6 +155,11 @@ def test_summary_claims_on_synthetic_arms():
     assert c["accuracy_gain_equal_within_noise"]["paired_diff_rs_e2e_tv_minus_no_spec"][0] == \
         pytest.approx(0.005)
     assert c["rollout_speedup_vs_no_spec"]["rs_e2e_tv"] == pytest.approx(1.0)
+    from experiments.rl_study_report import study_markdown
+    s["params"].update(temperature=1.0, seeds=(0, 1), rl_steps=steps)
+    md = study_markdown(s)
+    assert "| to_ce | 0.600 → 0.500 |" in md and "-0.100 ± 0.000" in md  # slope b of TO
+    assert "| 0.100 → 0.205 | +10.5 ± 0.5 |" in md  # rs_e2e_tv's held-out accuracy and its gain
 
 
 def test_paired_gain_by_hand():
