@@ -24,27 +24,6 @@ import os
 import sys
 import time
 
-MODES = {
-    "tiny": dict(preset="tiny", warm_start=True,
-                 losses=("ce", "kl", "tv", "e2e_tv"), gammas=(2,), caps=(64,),
-                 temps=(1.0,), drafter_steps=2, drafter_batch=4, n_rows=8, rl_steps=2, seeds=(0,),
-                 eval_every=1, n_train=32, n_heldout=4, prompts_per_step=2, num_generations=2,
-                 max_new_tokens=8, max_prompt_length=96, num_slots=4, learning_rate=1e-3,
-                 drafter_lr=1e-3, problem_seed=1234),
-    "small": dict(preset="tiny", warm_start=True,
-                  losses=("ce", "kl", "tv", "e2e_tv"), gammas=(3, 5), caps=(64, 256),
-                  temps=(0.6, 1.0), drafter_steps=100, drafter_batch=8, n_rows=128, rl_steps=20,
-                  seeds=(0, 1, 2), eval_every=5, n_train=256, n_heldout=32, prompts_per_step=4,
-                  num_generations=4, max_new_tokens=32, max_prompt_length=96, num_slots=16,
-                  learning_rate=1e-4, drafter_lr=1e-4, problem_seed=1234),
-    "full": dict(preset="small", warm_start=True,
-                 losses=("ce", "kl", "tv", "e2e_tv"), gammas=(3, 5, 7),
-                 caps=(128, 256, 768), temps=(0.6, 1.0, 1.2), drafter_steps=300, drafter_batch=16,
-                 n_rows=1024, rl_steps=100, seeds=(0, 1, 2), eval_every=10, n_train=2000,
-                 n_heldout=200, prompts_per_step=8, num_generations=4, max_new_tokens=64,
-                 max_prompt_length=96, num_slots=32, learning_rate=1e-5, drafter_lr=1e-4,
-                 problem_seed=1234),
-}
 ARMS = (
     {"name": "no_spec", "method": "none", "head": "ce", "online": None},
     {"name": "to_ce", "method": "target_only", "head": "ce", "online": None},
@@ -53,6 +32,29 @@ ARMS = (
     {"name": "rs_e2e_tv_online_ce", "method": "rejection", "head": "e2e_tv", "online": "ce"},
     {"name": "rs_e2e_tv_online_tv", "method": "rejection", "head": "e2e_tv", "online": "tv"},
 )
+ARM_NAMES = tuple(a["name"] for a in ARMS)
+
+MODES = {
+    "tiny": dict(preset="tiny", warm_start=True, arms=ARM_NAMES,
+                 losses=("ce", "kl", "tv", "e2e_tv"), gammas=(2,), caps=(64,),
+                 temps=(1.0,), drafter_steps=2, drafter_batch=4, n_rows=8, rl_steps=2, seeds=(0,),
+                 eval_every=1, n_train=32, n_heldout=4, prompts_per_step=2, num_generations=2,
+                 max_new_tokens=8, max_prompt_length=96, num_slots=4, learning_rate=1e-3,
+                 drafter_lr=1e-3, problem_seed=1234),
+    "small": dict(preset="tiny", warm_start=True, arms=ARM_NAMES,
+                  losses=("ce", "kl", "tv", "e2e_tv"), gammas=(3, 5), caps=(64, 256),
+                  temps=(0.6, 1.0), drafter_steps=100, drafter_batch=8, n_rows=128, rl_steps=20,
+                  seeds=(0, 1, 2), eval_every=5, n_train=256, n_heldout=32, prompts_per_step=4,
+                  num_generations=4, max_new_tokens=32, max_prompt_length=96, num_slots=16,
+                  learning_rate=1e-4, drafter_lr=1e-4, problem_seed=1234),
+    "full": dict(preset="small", warm_start=True, arms=ARM_NAMES,
+                 losses=("ce", "kl", "tv", "e2e_tv"), gammas=(3, 5, 7),
+                 caps=(128, 256, 768), temps=(0.6, 1.0, 1.2), drafter_steps=300, drafter_batch=16,
+                 n_rows=1024, rl_steps=100, seeds=(0, 1, 2), eval_every=10, n_train=2000,
+                 n_heldout=200, prompts_per_step=8, num_generations=4, max_new_tokens=64,
+                 max_prompt_length=96, num_slots=32, learning_rate=1e-5, drafter_lr=1e-4,
+                 problem_seed=1234),
+}
 
 
 def parse_overrides(items) -> dict:
@@ -83,6 +85,11 @@ def parse_overrides(items) -> dict:
             raise ValueError(f"--set {key}: cannot parse {raw!r} as {type(default).__name__}"
                              f" ({e})") from None
     return out
+
+
+# Parameters that choose which finished results to use, not how they were produced: a workdir
+# resumes with other values of these.
+SELECTION_KEYS = ("arms", "overrides")
 
 
 def mode_params(mode: str, overrides: dict | None = None) -> dict:
@@ -221,7 +228,10 @@ def run_arms(p, model_factory, tok, adapt, workdir) -> list[dict]:
     base = {c["loss"]: c for c in adapt if c["gamma"] == p["gamma"] and c["cap"] == p["cap"]
             and c["temp"] == p["temperature"]}
     out = []
-    for arm in ARMS:
+    unknown = set(p["arms"]) - set(ARM_NAMES)
+    if unknown:
+        raise ValueError(f"unknown arms {sorted(unknown)}; choose from {ARM_NAMES}")
+    for arm in (a for a in ARMS if a["name"] in p["arms"]):
         for seed in p["seeds"]:
             d = os.path.join(workdir, "arms", f"{arm['name']}_s{seed}")
             if os.path.exists(os.path.join(d, "arm.json")):
@@ -271,7 +281,8 @@ def _check_workdir_params(workdir: str, p: dict) -> None:
     if os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
-        if old != mine:
+        old = {k: v for k, v in old.items() if k not in SELECTION_KEYS}
+        if old != {k: v for k, v in mine.items() if k not in SELECTION_KEYS}:
             diff = sorted(k for k in set(old) | set(mine) if old.get(k) != mine.get(k))
             raise ValueError(f"{workdir} holds a study with other parameters ({', '.join(diff)});"
                              " use another --workdir")

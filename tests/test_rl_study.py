@@ -121,6 +121,9 @@ def test_study_overrides_are_typed_and_checked(tmp_path):
     S._check_workdir_params(str(tmp_path), S.mode_params("small", o))
     with pytest.raises(ValueError, match="rl_steps"):
         S._check_workdir_params(str(tmp_path), S.mode_params("small", {"rl_steps": 31}))
+    # choosing a subset of the arms does not change how the finished ones were produced
+    sub = S.parse_overrides(["arms=no_spec,rs_e2e_tv"])
+    S._check_workdir_params(str(tmp_path), S.mode_params("small", dict(o, **sub)))
 
 
 def test_summary_claims_on_synthetic_arms():
