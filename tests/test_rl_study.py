@@ -176,3 +176,22 @@ def test_paired_gain_by_hand():
     assert g["gain_se_points"] == pytest.approx(100 * clustered_ratio([1.0, 0.0, 1.0], n)[1])
     with pytest.raises(ValueError, match="same rows"):
         paired_gain(a, (b[0], n + 1))
+
+
+def test_rollout_check_statistics():
+    from experiments.rl_rollout_check import compare
+    rng = np.random.default_rng(0)
+
+    def sample(shift):
+        n = rng.integers(5, 40, 300).astype(np.float64)
+        return {"length": n, "entropy_sum": n * (1.0 + shift + 0.1 * rng.standard_normal(300)),
+                "logp_sum": -n * (1.0 + shift), "n_logp": n}
+
+    a = sample(0.0)
+    same = compare(a, a)
+    assert same["length"]["ks_statistic"] == 0.0 and same["mean_logp"]["ks_pvalue"] == 1.0
+    assert same["entropy_per_token"]["a"] == same["entropy_per_token"]["b"]
+    shifted = compare(a, sample(0.2))  # every sequence's entropy and log-prob moved by 0.2 nats
+    assert shifted["mean_entropy"]["ks_pvalue"] < 1e-6 and shifted["mean_logp"]["ks_pvalue"] < 1e-6
+    assert shifted["logp_per_token"]["a"][0] == pytest.approx(-1.0)
+    assert shifted["logp_per_token"]["b"][0] == pytest.approx(-1.2)
