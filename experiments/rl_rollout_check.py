@@ -75,26 +75,25 @@ def main(argv=None) -> dict:
     from tunix.rl.rollout.base_rollout import RolloutConfig
 
     from experiments.rl import build_target
-    from experiments.rl_study_arms import StudyRollout
-    from specjax.engine import EngineConfig
+    from experiments.rl_study import mode_params
+    from experiments.rl_study_arms import StudyRollout, study_engine_config
     from specjax.rl import TunixPolicy
     from specjax.rl import task as T
-    from specjax.scheduling import SchedulerConfig
     from specjax.training.drafter_run import load_drafter
 
+    # the study's full-mode shapes (slots, prompt length) and problem split
+    p = mode_params("full", {"max_new_tokens": a.max_new_tokens})
     model, tok = build_target(ml_collections.ConfigDict(dict(
-        target_workdir=a.target_workdir, preset="small", seed=0, data_dir="")))
+        target_workdir=a.target_workdir, preset=p["preset"], seed=0, data_dir="")))
     drafter, dparams, task = load_drafter(a.head)
     gamma = task.gamma
-    _, heldout = T.split_problems(1234, 256, 64)
+    _, heldout = T.split_problems(p["problem_seed"], 256, 64)
     prompts = [heldout[i % len(heldout)].prompt for i in range(a.n)]
-    max_len = 96 + a.max_new_tokens + gamma + 2
-    ec = EngineConfig(num_slots=32, max_len=max_len, gamma=gamma, method=a.method,
-                      prefill_buckets=(32, 128), scheduler=SchedulerConfig("fixed", k=gamma),
-                      overlap=False)
+    ec = study_engine_config(p, a.method, gamma)
     samples = {}
     for name, plain, seed in (("plain", True, 1), ("speculative", False, 2)):
-        rc = RolloutConfig(max_tokens_to_generate=a.max_new_tokens, max_prompt_length=96,
+        rc = RolloutConfig(max_tokens_to_generate=a.max_new_tokens,
+                           max_prompt_length=p["max_prompt_length"],
                            temperature=a.temperature, eos_tokens=[tok.eos_id], seed=seed,
                            return_logprobs=True)
         r = StudyRollout(rollout_actor=TunixPolicy(model), tokenizer=T.TunixTokenizer(tok),

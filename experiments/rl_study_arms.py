@@ -93,6 +93,19 @@ class StudyRollout(SpeculativeRollout):
                 "drafter_update_s": time.perf_counter() - t0}
 
 
+def study_engine_config(p, method: str, gamma=None):
+    """The engine every arm rolls out with: ``p["num_slots"]`` slots, room for the longest prompt
+    and completion plus one draft block, γ drafts per step (``p["gamma"]`` unless given)."""
+    from specjax.engine import EngineConfig
+    from specjax.scheduling import SchedulerConfig
+    gamma = p["gamma"] if gamma is None else int(gamma)
+    return EngineConfig(
+        num_slots=p["num_slots"], max_len=p["max_prompt_length"] + p["max_new_tokens"] + gamma + 2,
+        gamma=gamma, method="rejection" if method == "none" else method,
+        prefill_buckets=(32, 128) if p["max_prompt_length"] > 32 else (32,),
+        scheduler=SchedulerConfig("fixed", k=gamma), overlap=False)
+
+
 def run_arm(arm: dict, seed: int, p, model, tok, drafter, dparams, workdir: str) -> dict:
     """Runs one GRPO arm / seed; returns ``{"records": [...], "heldout_accuracy_end", ...}``.
 
@@ -106,22 +119,15 @@ def run_arm(arm: dict, seed: int, p, model, tok, drafter, dparams, workdir: str)
     from tunix.rl.grpo.grpo_learner import GRPOConfig, GRPOLearner
     from tunix.rl.rollout.base_rollout import RolloutConfig
 
-    from specjax.engine import EngineConfig
     from specjax.rl import TunixPolicy
     from specjax.rl import task as T
     from specjax.rl.online import OnlineDrafterUpdate
-    from specjax.scheduling import SchedulerConfig
 
     os.makedirs(workdir, exist_ok=True)
     train, heldout = T.split_problems(p["problem_seed"], p["n_train"], p["n_heldout"])
     ttok = T.TunixTokenizer(tok)
     gamma = p["gamma"]
-    max_len = p["max_prompt_length"] + p["max_new_tokens"] + gamma + 2
-    engine_config = EngineConfig(
-        num_slots=p["num_slots"], max_len=max_len, gamma=gamma,
-        method="rejection" if arm["method"] == "none" else arm["method"],
-        prefill_buckets=(32, 128) if p["max_prompt_length"] > 32 else (32,),
-        scheduler=SchedulerConfig("fixed", k=gamma), overlap=False)
+    engine_config = study_engine_config(p, arm["method"])
     rc = RolloutConfig(max_tokens_to_generate=p["max_new_tokens"],
                        max_prompt_length=p["max_prompt_length"], temperature=p["temperature"],
                        eos_tokens=[ttok.eos_id()], seed=seed)

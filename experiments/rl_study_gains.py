@@ -6,10 +6,11 @@ same held-out rows and the same anchors, and the gain's standard error is cluste
 anchors of one row share its text, so they are not independent).
 
 Per row i and head h: ``y_hi`` = Σ over the row's anchor blocks of the teacher-forced
-rejection-sampling acceptance ``1 − e2e_tv`` (:func:`specjax.losses.e2e_tv_from_tv`), ``n_i`` =
-its valid blocks. A head's acceptance is ``Σ y_hi / Σ n_i`` (the drafter run's ``accept_rate``,
-pooled over rows instead of averaged over batches); the gain is the ratio estimator of
-``y_ai − y_bi`` over ``n_i``, with the cluster-robust error of
+rejection-sampling acceptance ``1 − e2e_tv``
+(:func:`specjax.training.drafter_task.block_acceptance`, the blocks the drafter run's eval sums),
+``n_i`` = its valid blocks. A head's acceptance is ``Σ y_hi / Σ n_i`` (the drafter run's
+``accept_rate``, pooled over rows instead of averaged over batches); the gain is the ratio
+estimator of ``y_ai − y_bi`` over ``n_i``, with the cluster-robust error of
 :func:`specjax.stats.clustered_ratio`.
 """
 from __future__ import annotations
@@ -27,11 +28,10 @@ def row_acceptance(head_workdir: str, eval_file: str):
     the number of valid blocks, for the head trained in ``head_workdir`` (anchors drawn as the
     trainer's eval draws them: ``PRNGKey(0)`` per batch, so two heads see the same anchors)."""
     import jax
-    import jax.numpy as jnp
 
-    from specjax import losses as L
     from specjax.training import drafter_data
     from specjax.training.drafter_run import load_drafter
+    from specjax.training.drafter_task import block_acceptance, position_tv
 
     _, params, task = load_drafter(head_workdir)
     frozen = task.init_frozen()
@@ -43,10 +43,7 @@ def row_acceptance(head_workdir: str, eval_file: str):
     @jax.jit
     def per_row(params, batch, frozen):
         z, _, p, _, mask = task.teacher_forced(params, batch, jax.random.PRNGKey(0), frozen)
-        q = jax.nn.softmax(z.astype(jnp.float32), axis=-1)
-        tv = 1.0 - jnp.sum(jnp.minimum(p, q), axis=-1)
-        valid = mask[..., 0].astype(jnp.float32)
-        acc = (1.0 - L.e2e_tv_from_tv(tv, where=mask)) * valid
+        acc, valid = block_acceptance(position_tv(z, p), mask)
         return acc.reshape(acc.shape[0], -1).sum(1), valid.reshape(valid.shape[0], -1).sum(1)
 
     ys, ns = [], []

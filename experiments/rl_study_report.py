@@ -226,7 +226,8 @@ def study_markdown(summary: dict) -> str:
                              f"{g['temp']} | {g['gain_points']:+.2f} ± {g['gain_se_points']:.2f} "
                              f"| {g['rows']} |")
     lines += ["", "**GRPO arms** (series: mean over seeds, first → last step; "
-              "± s.e. over seeds):", "", "| arm | acceptance | fitted drift (points) | entropy | slope b | τ | "
+              "± s.e. over seeds):", "",
+              "| arm | acceptance | fitted drift (points) | entropy | slope b | τ | "
               "held-out acc. start → end | acc. gain (points) | rollout s | step s |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for n, a in summary["arms"].items():

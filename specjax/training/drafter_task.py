@@ -265,6 +265,21 @@ def load_target(target_config: ModelConfig, workdir: str = "", *, step: int = -1
 # ------------------------------------------------------------------------------------------------
 # the task
 # ------------------------------------------------------------------------------------------------
+def position_tv(z, p):
+    """TV distance ``[..., γ]`` between the drafter's softmax(z) and the target's p
+    ``[..., γ, V]`` at every teacher-forced draft position (1 − TV: the position's RS acceptance)."""
+    q = jax.nn.softmax(z.astype(jnp.float32), axis=-1)
+    return 1.0 - jnp.sum(jnp.minimum(p, q), axis=-1)
+
+
+def block_acceptance(tv, mask):
+    """``(acc, valid)``, both ``[...]`` over anchor blocks: a block's expected RS acceptance
+    ``1 − e2e_tv`` (0 where the block is invalid) and its validity as float. Summed over all
+    blocks they give ``accept_rate``; summed per row, its row-clustered parts."""
+    valid = mask[..., 0].astype(jnp.float32)
+    return (1.0 - L.e2e_tv_from_tv(tv, where=mask)) * valid, valid
+
+
 class DrafterTask:
     """Trains a drafter against a frozen target (see the module docstring).
 
@@ -479,8 +494,7 @@ class DrafterTask:
         z = jax.lax.stop_gradient(z)
         m = mask.astype(jnp.float32)
         n = jnp.maximum(m.sum(), 1.0)
-        q = jax.nn.softmax(z.astype(jnp.float32), axis=-1)
-        tv = 1.0 - jnp.sum(jnp.minimum(p, q), axis=-1)
+        tv = position_tv(z, p)
         ce = L.ce_loss(z, labels, where=mask)
         top1 = (jnp.argmax(z, axis=-1) == labels).astype(jnp.float32)
         out = {"ce": (ce * m).sum() / n, "top1": (top1 * m).sum() / n, "tv": (tv * m).sum() / n}
@@ -488,9 +502,8 @@ class DrafterTask:
         alpha = ((1.0 - tv) * m).reshape(-1, self.gamma).sum(0) / jnp.maximum(per_pos, 1.0)
         for k in range(self.gamma):
             out[f"alpha_{k + 1}"] = alpha[k]
-        block_valid = mask[..., 0].astype(jnp.float32)
-        e2e = L.e2e_tv_from_tv(tv, where=mask)
-        out["accept_rate"] = ((1.0 - e2e) * block_valid).sum() / jnp.maximum(block_valid.sum(), 1.)
+        acc, block_valid = block_acceptance(tv, mask)
+        out["accept_rate"] = acc.sum() / jnp.maximum(block_valid.sum(), 1.)
         if conf is not None:
             bce = L._sigmoid_bce(jax.lax.stop_gradient(conf), 1.0 - tv)
             out["conf_bce"] = (bce * m).sum() / n
