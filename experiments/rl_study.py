@@ -37,7 +37,7 @@ ARM_NAMES = tuple(a["name"] for a in ARMS)
 MODES = {
     "tiny": dict(preset="tiny", warm_start=True, arms=ARM_NAMES,
                  losses=("ce", "kl", "tv", "e2e_tv"), gammas=(2,), caps=(64,),
-                 temps=(1.0,), drafter_steps=2, drafter_batch=4, n_rows=8, rl_steps=2, seeds=(0,),
+                 temps=(1.0,), drafter_steps=2, drafter_batch=8, n_rows=8, rl_steps=2, seeds=(0,),
                  eval_every=1, n_train=32, n_heldout=4, prompts_per_step=2, num_generations=2,
                  max_new_tokens=8, max_prompt_length=96, num_slots=4, learning_rate=1e-3,
                  drafter_lr=1e-3, problem_seed=1234),
