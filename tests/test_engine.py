@@ -17,7 +17,7 @@ from specjax.engine import Engine, EngineConfig, Request
 from specjax.models import ModelConfig, init_model
 from specjax.models.config import ModelConfig as _MC
 from specjax.models.generate import generate
-from specjax.models.transformer import ForwardOutput
+from specjax.models.transformer import ForwardOutput, NewKV
 from specjax.scheduling import SchedulerConfig, SPSProfile
 
 pytestmark = pytest.mark.xdist_group("engine")
@@ -253,9 +253,17 @@ class ConstTarget(nnx.Module):
         cache = cache.replace(lengths=cache.lengths + num_valid)
         return ForwardOutput(logits=logits, cache=cache, hidden=None)
 
+    def forward_flat_kv(self, tokens, segment_ids, cache, *, grid_len, hidden_layers=()):
+        n = tokens.shape[0]
+        nothing = jnp.zeros((1, n, 1, 8))  # no keys to keep: every entry is dropped on write
+        kv = NewKV(k=nothing, v=nothing, slots=jnp.zeros((n,), jnp.int32),
+                   positions=jnp.full((n,), cache.max_len, jnp.int32))
+        return ForwardOutput(logits=jnp.broadcast_to(self.logits[...], (n, 2)), cache=None,
+                             hidden=None), kv
+
     def forward_flat(self, tokens, segment_ids, cache, *, grid_len, hidden_layers=()):
-        return ForwardOutput(logits=jnp.broadcast_to(self.logits[...], (tokens.shape[0], 2)),
-                             cache=cache, hidden=None)
+        out, _ = self.forward_flat_kv(tokens, segment_ids, cache, grid_len=grid_len)
+        return out._replace(cache=cache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,3 +424,39 @@ def test_failed_step_frees_slots_and_serving_continues(target, monkeypatch, loop
     assert "device lost" in engine.finished[ids[0]].error
     ref, _ = _greedy_reference(target, Request(prompt=[1, 2], max_new_tokens=6))
     assert engine.finished[ids[2]].tokens == ref
+
+
+@pytest.mark.parametrize("kind", ["mtp", "dspark"])
+def test_device_loop_never_copies_the_target_cache(target, kind, monkeypatch):
+    """The compiled device loop holds no copy as large as the whole layered target cache.
+
+    The verification bucket switch once wrote the cache inside its branches, and XLA copied the
+    whole cache in and out of the conditional on every step (k and v, several times). Now the
+    branches only read it and the new keys/values are written after the switch."""
+    import re
+    import specjax.engine.device_driver as driver
+    d, p, f = _drafter(kind, target)
+    max_len, slots = 512, 2
+    eng = Engine(target, d, p, f, EngineConfig(num_slots=slots, max_len=max_len, gamma=3,
+                                               loop="device", prefill_buckets=(16,),
+                                               scheduler=SchedulerConfig("fixed", k=3)))
+    captured = {}
+    real = driver.run_loop
+
+    def spy(*args, **kwargs):
+        captured["call"] = (args, kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(driver, "run_loop", spy)
+    eng.generate([Request(prompt=[1, 2, 3], max_new_tokens=4, temperature=1.0, seed=0)])
+    args, kwargs = captured["call"]
+    text = real.lower(*args, **kwargs).compile().as_text()
+    whole = CFG.num_layers * slots * max_len * CFG.num_kv_heads * CFG.head_dim
+    sizes = []
+    for line in text.splitlines():
+        if " copy(" in line or "copy-start" in line:
+            shape = re.search(r"= \w+\[([\d,]*)\]", line)
+            if shape and shape.group(1):
+                sizes.append(int(np.prod([int(x) for x in shape.group(1).split(",")])))
+    assert sizes, "the compiled loop has no copies at all: the parse is broken"
+    assert max(sizes) < whole, (max(sizes), whole)

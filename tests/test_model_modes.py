@@ -218,3 +218,54 @@ def test_flat_ragged_forward_matches_padded_verify():
         np.testing.assert_allclose(np.asarray(out.cache.k[:, slot, sl]),
                                    np.asarray(ref.cache.k[:, slot, sl]), atol=1e-5)
     assert np.all(np.asarray(out.logits[n:]) == np.asarray(out.logits[n:]))  # padding finite
+
+
+def test_flat_forward_kv_reads_the_cache_and_writes_after():
+    """``forward_flat_kv`` leaves the cache untouched and returns the new keys/values; writing them
+    (padded to a larger bucket: the padding is dropped) gives forward_flat's cache."""
+    from specjax.models.attention import block_cached_attention, kv_windows, windowed_attention
+    config, model, tokens = _model_and_tokens("qwen3_gqa2")
+    prefix = np.array([6, 4, 7])
+    cache = init_cache(config, 3, MAX_LEN)
+    cache = model(tokens[:, :7], cache=cache, num_valid=jnp.asarray(prefix)).cache
+    flat_tokens = jnp.asarray([5, 9, 11, 1, 2, 0], jnp.int32)
+    flat_seg = jnp.asarray([2, 2, 2, 0, 0, 3], jnp.int32)
+    before = np.asarray(cache.k).copy()
+    out, kv = model.forward_flat_kv(flat_tokens, flat_seg, cache, grid_len=4)
+    np.testing.assert_array_equal(np.asarray(cache.k), before)
+    assert out.cache is None and kv.k.shape == (config.num_layers, 6, config.num_kv_heads,
+                                                config.head_dim)
+    ref = model.forward_flat(flat_tokens, flat_seg, cache, grid_len=4)
+    # (two eager runs of the same ops: equal up to the file's tolerance, not bit for bit)
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=TOL)
+    written = kv.pad(9, MAX_LEN).write(cache)
+    np.testing.assert_allclose(np.asarray(written.k), np.asarray(ref.cache.k), atol=TOL)
+    np.testing.assert_allclose(np.asarray(written.v), np.asarray(ref.cache.v), atol=TOL)
+    # Slot 1 got no tokens: its rows are unchanged.
+    np.testing.assert_array_equal(np.asarray(written.k[:, 1]), before[:, 1])
+
+    # The block attention itself == writing the block first, then windowed causal attention.
+    rng = np.random.default_rng(0)
+    s, g, h, kvh, dh = 3, 4, 4, 2, 8
+    lengths = jnp.asarray([5, 0, 9], jnp.int32)
+    k_all = jnp.asarray(rng.normal(size=(1, s, 32, kvh, dh)), jnp.float32)
+    v_all = jnp.asarray(rng.normal(size=(1, s, 32, kvh, dh)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(s, g, h, dh)), jnp.float32)
+    k_new = jnp.asarray(rng.normal(size=(s, g, kvh, dh)), jnp.float32)
+    v_new = jnp.asarray(rng.normal(size=(s, g, kvh, dh)), jnp.float32)
+    n_new = np.array([3, 4, 1])
+    valid = jnp.asarray(np.arange(g)[None, :] < n_new[:, None])
+    q_pos = lengths[:, None] + jnp.arange(g)[None, :]
+    got = block_cached_attention(q, q_pos, k_new, v_new, valid, k_all, v_all, 0, kv_windows(32),
+                                 lengths)
+    rows = jnp.broadcast_to(jnp.arange(s)[:, None], (s, g))
+    wpos = jnp.where(valid, q_pos, 32)
+    k_w = k_all.at[0, rows, wpos].set(k_new, mode="drop")
+    v_w = v_all.at[0, rows, wpos].set(v_new, mode="drop")
+    want = windowed_attention(q, q_pos, k_w, v_w, 0, kv_windows(32), jnp.int32(32))
+    # Same keys, another summation order: a weighted mean of n = 32 + g values in f32 differs by
+    # at most ~ 2 n eps max|v| (softmax normalisation and the weighted sum, each n eps).
+    atol = 2 * (32 + g) * np.finfo(np.float32).eps * float(jnp.max(jnp.abs(v_w)))
+    for i in range(s):  # only the real queries are defined
+        np.testing.assert_allclose(np.asarray(got[i, :n_new[i]]), np.asarray(want[i, :n_new[i]]),
+                                   atol=atol, rtol=0)

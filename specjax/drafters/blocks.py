@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 
+from specjax.models.attention import kv_windows, window_switch
 from specjax.models.layers import apply_rope
 from specjax.models.transformer import Block, grouped_attention
 
@@ -44,15 +45,26 @@ def cached_attention(q, k, v, positions, cache_k, cache_v, write_positions):
     """Writes ``k, v`` at ``write_positions`` (out-of-range = dropped) into one layer's cache
     ``[B, S, KVH, Dh]`` and attends causally by position to the cache.
 
-    Returns ``(out [B, T, H, Dh], cache_k, cache_v)``. Queries with no visible key give zeros.
+    Reads only the smallest window bucket (:func:`~specjax.models.attention.kv_windows`) that
+    covers the latest query position of the batch, so a draft step's cost follows the context,
+    not the cache size. Returns ``(out [B, T, H, Dh], cache_k, cache_v)``. Queries with no
+    visible key give zeros.
     """
     b, s = cache_k.shape[:2]
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], write_positions.shape)
     cache_k = cache_k.at[rows, write_positions].set(k.astype(cache_k.dtype), mode="drop")
     cache_v = cache_v.at[rows, write_positions].set(v.astype(cache_v.dtype), mode="drop")
-    k_pos = jnp.arange(s, dtype=jnp.int32)
-    mask = k_pos[None, None, :] <= positions[:, :, None]
-    out = grouped_attention(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask)
+    need = jnp.max(positions) + 1
+
+    def branch(w):
+        def run(ck, cv):
+            ck = jax.lax.slice_in_dim(ck, 0, w, axis=1)
+            cv = jax.lax.slice_in_dim(cv, 0, w, axis=1)
+            mask = jnp.arange(w, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
+            return grouped_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), mask)
+        return run
+
+    out = window_switch(need, kv_windows(s), branch, cache_k, cache_v)
     return out, cache_k, cache_v
 
 

@@ -27,9 +27,9 @@ keys / values: one KV cache of ``num_layers`` layers, ``[B, max_len]`` positions
 positions' features; nothing speculative is ever written, so there is nothing to roll back).
 Teacher-forced training sees exactly the same thing (context of positions ``<= i``).
 
-Cost per step: one backbone pass over γ tokens (attention against a cache row of ``max_len``
-context keys), γ LM-head rows, a γ-step scan of rank-r updates; ``commit`` projects the
-``K + 1`` new positions' features (no attention).
+Cost per step: one backbone pass over γ tokens (attention against the smallest window bucket of
+the context cache that holds every row's context), γ LM-head rows, a γ-step scan of rank-r
+updates; ``commit`` projects the ``K + 1`` new positions' features (no attention).
 """
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ from flax import nnx
 from specjax.drafters.base import (DraftOutput, Observation, Sampling, SharedHead, TeacherForced,
                                    default_anchors, draw, drop_invalid, gather_positions)
 from specjax.drafters.blocks import block_forward, context_block_attention, project_kv
+from specjax.models.attention import kv_windows, window_switch
 from specjax.models.config import ModelConfig
 from specjax.models.layers import RMSNorm, param, rope_inv_freq
 from specjax.models.transformer import Block
@@ -279,9 +280,19 @@ class DSparkDrafter:
         module = self._module(params)
         b = state.anchor.shape[0]
         max_len = state.k[0].shape[1]
-        ctx_mask = (jnp.arange(max_len, dtype=jnp.int32)[None, :] < state.ctx_len[:, None])[:, None]
-        h = self._backbone(module, frozen, state.anchor[:, None], state.ctx_len[:, None], gamma,
-                           list(zip(state.k, state.v)), ctx_mask)[:, 0]  # [B, γ, D]
+
+        def window(w):  # the backbone reading only the first w context positions
+            def run(ks, vs):
+                cut = lambda c: jax.lax.slice_in_dim(c, 0, w, axis=1)
+                ctx_mask = (jnp.arange(w, dtype=jnp.int32)[None, :] <
+                            state.ctx_len[:, None])[:, None]
+                return self._backbone(module, frozen, state.anchor[:, None],
+                                      state.ctx_len[:, None], gamma,
+                                      [(cut(k), cut(v)) for k, v in zip(ks, vs)], ctx_mask)
+            return run
+
+        h = window_switch(jnp.max(state.ctx_len), kv_windows(max_len), window,
+                          state.k, state.v)[:, 0]  # [B, γ, D]
         u = frozen.lm_logits(h, normed=True)  # [B, γ, V]
         r = self.config.rank
         keys = jax.random.split(key, gamma)

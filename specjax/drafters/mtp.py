@@ -29,8 +29,9 @@ needed. ``commit`` only appends the verified target hidden states and tokens to 
 buffers (the last W of each). At inference, positions ``j > n - 1 - k`` use the drafts where
 teacher-forced training uses the true tokens; when the drafts are accepted the two coincide.
 
-Cost per step: γ block applications on W = 2γ window tokens (attention against a cache row of
-``max_len`` keys) plus γ LM-head rows; state: γ single-layer KV caches.
+Cost per step: γ block applications on W = 2γ window tokens (attention against the smallest
+window bucket of the cache that holds the context) plus γ LM-head rows; state: γ single-layer KV
+caches.
 """
 from __future__ import annotations
 

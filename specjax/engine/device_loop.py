@@ -16,7 +16,8 @@ admits (prefill), streams and finishes.
 Plain decoding (policy "none") runs a dense ``[S, 1]`` decode step instead: no drafter, no
 flattening, no verifier.
 
-Exactness is the host engine's: the same :func:`~specjax.engine.steps.verify_core`, per-request
+Exactness is the host engine's: the same verification (:func:`~specjax.engine.steps.verify_forward`
+in the bucket branch, then :func:`~specjax.engine.steps.verify_finish`), per-request
 verification keys from (seed, the request's own step count), and policies that only read
 information available before the drafts they admit.
 """
@@ -32,7 +33,7 @@ from flax import nnx
 
 from specjax.drafters.base import DraftOutput, Sampling
 from specjax.engine import device_policies as dp
-from specjax.engine.steps import DeviceState, sample_rows, verify_core
+from specjax.engine.steps import DeviceState, sample_rows, verify_finish, verify_forward
 
 VERIFY_SALT = 2  # key salt of verification noise (prefill's first token uses 1)
 
@@ -226,15 +227,19 @@ def run_loop(target_graphdef: nnx.GraphDef, target_state, drafter, params, froze
             b_idx = jnp.minimum(jnp.searchsorted(buckets, n_tok, side="left"), len(spec.buckets) - 1)
             dev = DeviceState(dev.cache, dstate, dev.anchor)
 
+            # Only the target forward runs in the bucket branches; it reads the cache, and the
+            # new keys/values are written after the switch (verify_forward says why).
             def branch(bucket):
                 def run(dev):
-                    return verify_core(target_graphdef, target_state, drafter, params, frozen, dev,
-                                       out.tokens, out.probs, ell, keys, sampling, bucket=bucket,
-                                       gamma=g, method=spec.method,
-                                       verify_impl=spec.verify_impl)
+                    return verify_forward(target_graphdef, target_state, drafter, dev,
+                                          out.tokens, ell, bucket=bucket, gamma=g,
+                                          write=False, pad_to=spec.buckets[-1])
                 return run
 
-            dev, res = jax.lax.switch(b_idx, [branch(b) for b in spec.buckets], dev)
+            fwd = jax.lax.switch(b_idx, [branch(b) for b in spec.buckets], dev)
+            dev, res = verify_finish(drafter, params, frozen, dev, fwd, out.tokens, out.probs, ell,
+                                     keys, sampling, method=spec.method,
+                                     verify_impl=spec.verify_impl)
             tokens, n_acc = res.tokens, res.num_accepted
         n_tok = jnp.where(active, n_acc + 1, 0)
         new_active, remaining, buf, out_len, done = _emit(ls, tokens, n_tok, stop_tokens, spec)

@@ -1,7 +1,8 @@
 """Device steps of the serving engine: draft, flattened verification, prefill (all jitted).
 
 The host loop (:mod:`specjax.engine.engine`) dispatches them one by one; the device loop
-(:mod:`specjax.engine.device_loop`) traces the same :func:`verify_core` inside ``lax.while_loop``.
+(:mod:`specjax.engine.device_loop`) traces the same verification in two halves
+(:func:`verify_forward` in a bucket branch, then :func:`verify_finish`) inside ``lax.while_loop``.
 
 Static shapes everywhere: S slots, γ drafts, a token bucket N for the flattened verification batch
 and a chunk bucket C for prefill are the only shape parameters; every step is compiled once per
@@ -18,7 +19,7 @@ decides; the cache and the drafter are committed by lengths (rejected tokens are
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,7 @@ from flax import nnx
 
 from specjax.drafters.base import Observation, Sampling
 from specjax.models.kv_cache import KVCache
+from specjax.models.transformer import NewKV
 from specjax.sampling import sample
 from specjax.verify import rejection_sample, target_only_sample
 
@@ -77,14 +79,95 @@ def flat_layout(num_draft: jax.Array, bucket: int):
     return jnp.where(valid, slot, s), jnp.where(valid, rank, 0), offsets, valid
 
 
+class VerifyForward(NamedTuple):
+    """What the flattened target forward of a verification step produces, on the per-slot grid.
+
+    logits: f32 ``[S, γ+1, V]`` (row j of slot s: the target's logits after its token j).
+    hidden: ``[n, S, γ+1, D]`` hidden states for the drafter, or None.
+    cache: the cache with the new tokens' keys/values written (``write=True``), or None.
+    new_kv: those keys/values unwritten (:class:`~specjax.models.transformer.NewKV`;
+      ``write=False``), or None.
+    """
+
+    logits: jax.Array
+    hidden: Any
+    cache: Optional[KVCache]
+    new_kv: Optional[NewKV]
+
+
+def verify_forward(target_graphdef: nnx.GraphDef, target_state, drafter, state: DeviceState,
+                   draft_tokens, num_draft, *, bucket: int, gamma: int, write: bool = True,
+                   pad_to: Optional[int] = None) -> VerifyForward:
+    """The target forward of a flattened verification in a token bucket.
+
+    ``write=False`` only reads the cache: the device loop runs it inside its ``lax.switch``
+    over buckets (``pad_to`` = the largest bucket, so every branch returns the same shapes) and
+    the keys/values are written after the switch (:func:`verify_finish`). A branch that wrote
+    the cache made XLA copy the whole cache into and out of the conditional on every step.
+    ``write=True`` (the host loop's jitted step, no conditional around it) writes them during
+    the forward (:meth:`~specjax.models.Transformer.forward_flat`).
+    """
+    cache = state.cache
+    s = cache.num_slots
+    slot, rank, offsets, valid = flat_layout(num_draft, bucket)
+    slot_c = jnp.minimum(slot, s - 1)
+    seq = jnp.concatenate([state.anchor[:, None], draft_tokens], axis=1)  # [S, γ+1]
+    flat_tokens = jnp.where(valid, seq[slot_c, jnp.minimum(rank, gamma)], 0)
+    target = nnx.merge(target_graphdef, target_state)
+    if write:
+        out = target.forward_flat(flat_tokens, slot, cache, grid_len=gamma + 1,
+                                  hidden_layers=drafter.hidden_layers)
+        new_kv = None
+    else:
+        out, new_kv = target.forward_flat_kv(flat_tokens, slot, cache, grid_len=gamma + 1,
+                                             hidden_layers=drafter.hidden_layers)
+        if pad_to is not None:
+            new_kv = new_kv.pad(pad_to, cache.max_len)
+    # Back to the per-slot grid [S, γ+1] (entries past 1 + ℓ_s are never read by the verifier).
+    grid = jnp.minimum(offsets[:, None] + jnp.arange(gamma + 1)[None, :], bucket - 1)
+    hidden = None if out.hidden is None else out.hidden[:, grid]
+    return VerifyForward(logits=out.logits[grid], hidden=hidden, cache=out.cache, new_kv=new_kv)
+
+
+def verify_finish(drafter, params, frozen, state: DeviceState, fwd: VerifyForward, draft_tokens,
+                  draft_probs, num_draft, verify_keys, sampling: Sampling, *, method: str,
+                  verify_impl: str = "jnp"):
+    """Verifies on the grid logits, writes the new keys/values, commits caches and drafter.
+
+    Returns ``(DeviceState, VerifyResult)`` (arguments as :func:`verify_core`).
+    """
+    cache = state.cache
+    active = num_draft >= 0
+    nd = jnp.maximum(num_draft, 0)
+    target_probs = sampling.probs(fwd.logits)
+    if method == "rejection":
+        ver = rejection_sample(verify_keys, draft_tokens, draft_probs, target_probs, nd,
+                               impl=verify_impl)
+    else:
+        ver = target_only_sample(verify_keys, draft_tokens, target_probs, nd)
+    accepted = jnp.where(active, ver.num_accepted, 0)
+    nxt = jnp.take_along_axis(ver.tokens, accepted[:, None], axis=1)[:, 0]
+    nxt = jnp.where(active, nxt, state.anchor)
+    start = cache.lengths
+    lengths = jnp.where(active, start + accepted + 1, start)
+    seq = jnp.concatenate([state.anchor[:, None], draft_tokens], axis=1)
+    obs = Observation(tokens=seq, num_valid=jnp.where(active, accepted + 1, 0), start=start,
+                      next_token=nxt, hidden=fwd.hidden)
+    dstate = drafter.commit(params, frozen, state.drafter_state, obs)
+    written = fwd.cache if fwd.cache is not None else fwd.new_kv.write(cache)
+    new_state = DeviceState(cache=written.rollback(lengths), drafter_state=dstate, anchor=nxt)
+    tokens = jnp.where(active[:, None], ver.tokens, -1)
+    return new_state, VerifyResult(tokens=tokens, num_accepted=accepted)
+
+
 def verify_core(target_graphdef: nnx.GraphDef, target_state, drafter, params, frozen,
                 state: DeviceState, draft_tokens, draft_probs, num_draft, verify_keys,
                 sampling: Sampling, *, bucket: int, gamma: int, method: str,
                 verify_impl: str = "jnp"):
     """Flattened verification of every slot's admitted drafts, then commit.
 
-    Traced inside the device loop (one branch per token bucket) and jitted as
-    :func:`verify_step` for the host loop.
+    :func:`verify_forward` then :func:`verify_finish`; jitted as :func:`verify_step` for the
+    host loop (the device loop calls the two halves around its bucket switch).
 
     Args:
       draft_tokens: int32 ``[S, γ]``; draft_probs: f32 ``[S, γ, V]`` (the q they were drawn from).
@@ -99,37 +182,10 @@ def verify_core(target_graphdef: nnx.GraphDef, target_state, drafter, params, fr
     Returns:
       ``(DeviceState, VerifyResult)``.
     """
-    cache = state.cache
-    s = cache.num_slots
-    active = num_draft >= 0
-    nd = jnp.maximum(num_draft, 0)
-    slot, rank, offsets, valid = flat_layout(num_draft, bucket)
-    slot_c = jnp.minimum(slot, s - 1)
-    seq = jnp.concatenate([state.anchor[:, None], draft_tokens], axis=1)  # [S, γ+1]
-    flat_tokens = jnp.where(valid, seq[slot_c, jnp.minimum(rank, gamma)], 0)
-    target = nnx.merge(target_graphdef, target_state)
-    out = target.forward_flat(flat_tokens, slot, cache, grid_len=gamma + 1,
-                              hidden_layers=drafter.hidden_layers)
-    # Back to the per-slot grid [S, γ+1] (entries past 1 + ℓ_s are never read by the verifier).
-    grid = jnp.minimum(offsets[:, None] + jnp.arange(gamma + 1)[None, :], bucket - 1)
-    target_probs = sampling.probs(out.logits[grid])
-    if method == "rejection":
-        ver = rejection_sample(verify_keys, draft_tokens, draft_probs, target_probs, nd,
-                               impl=verify_impl)
-    else:
-        ver = target_only_sample(verify_keys, draft_tokens, target_probs, nd)
-    accepted = jnp.where(active, ver.num_accepted, 0)
-    nxt = jnp.take_along_axis(ver.tokens, accepted[:, None], axis=1)[:, 0]
-    nxt = jnp.where(active, nxt, state.anchor)
-    start = cache.lengths
-    lengths = jnp.where(active, start + accepted + 1, start)
-    hidden = None if out.hidden is None else out.hidden[:, grid]
-    obs = Observation(tokens=seq, num_valid=jnp.where(active, accepted + 1, 0), start=start,
-                      next_token=nxt, hidden=hidden)
-    dstate = drafter.commit(params, frozen, state.drafter_state, obs)
-    new_state = DeviceState(cache=out.cache.rollback(lengths), drafter_state=dstate, anchor=nxt)
-    tokens = jnp.where(active[:, None], ver.tokens, -1)
-    return new_state, VerifyResult(tokens=tokens, num_accepted=accepted)
+    fwd = verify_forward(target_graphdef, target_state, drafter, state, draft_tokens, num_draft,
+                         bucket=bucket, gamma=gamma)
+    return verify_finish(drafter, params, frozen, state, fwd, draft_tokens, draft_probs,
+                         num_draft, verify_keys, sampling, method=method, verify_impl=verify_impl)
 
 
 verify_step = functools.partial(jax.jit, static_argnames=(

@@ -1,6 +1,6 @@
 """Attention math and the cached attention whose cost follows the context, not ``max_len``.
 
-Three pieces:
+Four pieces:
 
 * :func:`grouped_attention`: dense grouped-query attention with a boolean mask (training, scoring
   and the jnp reference of every cached mode).
@@ -12,6 +12,9 @@ Three pieces:
   ``W`` is the smallest *window bucket* that covers the longest context in the batch
   (:func:`kv_windows`; a ``lax.switch`` over one branch per bucket). Positions ``>= W`` are never
   read, so attention costs ``S · W`` key reads, not ``S · max_len``.
+* :func:`block_cached_attention`: the same windowed read for a block of new tokens per slot that
+  attends to the committed cache plus itself, leaving the cache untouched (the engine's flattened
+  verification writes the block's keys after its bucket branch).
 
 Why length buckets over the slot-contiguous cache rather than a paged cache with block tables: on a
 CPU (and for the dense jnp path on any backend) a slice ``[:, :W]`` of a contiguous slot row is
@@ -97,6 +100,26 @@ def write_kv(k_all: jax.Array, v_all: jax.Array, layer: int, slots: jax.Array,
     return k_all, v_all
 
 
+def trace_platform() -> str:
+    """Platform the code is being traced for: the mesh in context (``jax.set_mesh``; how AOT
+    compiles for a TPU topology from a CPU host), else the default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:
+        return mesh.abstract_device.platform
+    return jax.default_backend()
+
+
+def window_switch(need: jax.Array, windows: Sequence[int], branch, *operands):
+    """Runs ``branch(w)(*operands)`` for the smallest window ``w >= need`` (``lax.switch`` over the
+    static ``windows``; one branch when there is a single window). ``branch(w)`` must read only
+    the first ``w`` positions of the caches it slices."""
+    if len(windows) == 1:
+        return branch(windows[0])(*operands)
+    idx = jnp.searchsorted(jnp.asarray(windows, jnp.int32), need.astype(jnp.int32), side="left")
+    idx = jnp.minimum(idx, len(windows) - 1)
+    return jax.lax.switch(idx, [branch(w) for w in windows], *operands)
+
+
 def windowed_attention(q: jax.Array, q_pos: jax.Array, k_all: jax.Array, v_all: jax.Array,
                        layer: int, windows: Sequence[int], need: jax.Array) -> jax.Array:
     """Causal attention of each slot's queries to its cached keys, reading only a window.
@@ -113,26 +136,89 @@ def windowed_attention(q: jax.Array, q_pos: jax.Array, k_all: jax.Array, v_all: 
       ``[S, T, H, Dh]``.
     """
     s, t = q_pos.shape
-    # Only this layer's cache enters the branches. Handing them the whole layered cache made the
-    # TPU compiler copy every layer's cache inside each branch (a layout change before the
-    # window slice), which cost more than the attention itself.
-    k_layer, v_layer = k_all[layer], v_all[layer]
 
-    def branch(w: int):
-        def run(q, q_pos, k_layer, v_layer):
-            # One slice of exactly the window: never materialise the layer's whole row.
+    def attend(k, v, w):
+        k_pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (s, w))
+        mask = attention_weights_mask(q_pos, k_pos)
+        return grouped_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+
+    # Which operands the branches get is a per-compiler choice, measured on both (one slice of
+    # exactly the window inside the branch, never a materialised layer row, is the goal):
+    # * TPU: only this layer's cache. Handing the branches the whole layered cache made the TPU
+    #   compiler copy every layer's cache inside each branch (tests/test_aot_tpu.py).
+    # * CPU: the whole layered cache. Handing it one layer's rows made XLA:CPU materialise that
+    #   layer's row ``[S, max_len, ...]`` in the attention's layout before the switch, for k and
+    #   v, every layer and step: a copy proportional to max_len (plain decoding 0.96 vs 0.73 ms
+    #   per step at max_len 512 vs 128 on the quickstart target, at the same 64-token context).
+    if trace_platform() == "cpu":
+        def branch(w: int):
+            def run(k_all, v_all):
+                k = jax.lax.slice_in_dim(k_all[layer], 0, w, axis=1)
+                v = jax.lax.slice_in_dim(v_all[layer], 0, w, axis=1)
+                return attend(k, v, w)
+            return run
+        return window_switch(need, windows, branch, k_all, v_all)
+
+    def layer_branch(w: int):
+        def run(k_layer, v_layer):
             k = jax.lax.slice_in_dim(k_layer, 0, w, axis=1)
             v = jax.lax.slice_in_dim(v_layer, 0, w, axis=1)
-            k_pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (s, w))
-            mask = attention_weights_mask(q_pos, k_pos)
-            return grouped_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+            return attend(k, v, w)
         return run
+    return window_switch(need, windows, layer_branch, k_all[layer], v_all[layer])
 
-    if len(windows) == 1:
-        return branch(windows[0])(q, q_pos, k_layer, v_layer)
-    idx = jnp.searchsorted(jnp.asarray(windows, jnp.int32), need.astype(jnp.int32), side="left")
-    idx = jnp.minimum(idx, len(windows) - 1)
-    return jax.lax.switch(idx, [branch(w) for w in windows], q, q_pos, k_layer, v_layer)
+
+def block_cached_attention(q: jax.Array, q_pos: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                           new_valid: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: int,
+                           windows: Sequence[int], lengths: jax.Array) -> jax.Array:
+    """Attention of a block of new tokens per slot to the slot's *committed* cache and to the
+    block itself, with the cache only read (the new keys are written later, by the caller).
+
+    A query at position p of slot s sees the cached positions ``< lengths[s]`` and the block's
+    own keys at positions ``<= p``: the same keys as writing the block first and attending to
+    positions ``<= p``, so the result equals :func:`windowed_attention` after :func:`write_kv`.
+    Keeping the cache read-only lets a caller run this inside a ``lax.switch`` (the engine's
+    verification buckets) without the compiler copying the cache in and out of the branch.
+
+    Args:
+      q: ``[S, G, H, Dh]`` the block's queries (G = static block length per slot).
+      q_pos: int32 ``[S, G]`` their positions (``lengths[s] + j``).
+      k_new, v_new: ``[S, G, KVH, Dh]`` the block's keys / values.
+      new_valid: bool ``[S, G]``: block entry is a real token.
+      k_all, v_all: layered cache ``[layers, S, max_len, KVH, Dh]`` (read only).
+      layer: static layer index. windows: :func:`kv_windows` of the cache.
+      lengths: int32 ``[S]`` committed positions per slot.
+    Returns:
+      ``[S, G, H, Dh]``.
+    """
+    s, g = q_pos.shape
+    need = jnp.max(jnp.where(jnp.any(new_valid, axis=1), lengths, 0))
+
+    def attend(k, v, w):
+        k_pos = jnp.concatenate([jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (s, w)),
+                                 q_pos], axis=1)
+        valid = jnp.concatenate([jnp.arange(w, dtype=jnp.int32)[None, :] < lengths[:, None],
+                                 new_valid], axis=1)
+        mask = attention_weights_mask(q_pos, k_pos, k_valid=valid)
+        k = jnp.concatenate([k.astype(q.dtype), k_new.astype(q.dtype)], axis=1)
+        v = jnp.concatenate([v.astype(q.dtype), v_new.astype(q.dtype)], axis=1)
+        return grouped_attention(q, k, v, mask)
+
+    # Branch operands per compiler: see windowed_attention.
+    if trace_platform() == "cpu":
+        def branch(w: int):
+            def run(k_all, v_all):
+                return attend(jax.lax.slice_in_dim(k_all[layer], 0, w, axis=1),
+                              jax.lax.slice_in_dim(v_all[layer], 0, w, axis=1), w)
+            return run
+        return window_switch(need, windows, branch, k_all, v_all)
+
+    def layer_branch(w: int):
+        def run(k_layer, v_layer):
+            return attend(jax.lax.slice_in_dim(k_layer, 0, w, axis=1),
+                          jax.lax.slice_in_dim(v_layer, 0, w, axis=1), w)
+        return run
+    return window_switch(need, windows, layer_branch, k_all[layer], v_all[layer])
 
 
 def contiguous_page_table(num_slots: int, max_len: int, page_size: int) -> jax.Array:

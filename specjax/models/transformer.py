@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.models.config import ModelConfig
-from specjax.models.attention import (attention_weights_mask, grouped_attention, kv_windows,
-                                      windowed_attention, write_kv)
+from specjax.models.attention import (attention_weights_mask, block_cached_attention,
+                                      grouped_attention, kv_windows, windowed_attention, write_kv)
 from specjax.models.kv_cache import KVCache
 from specjax.models.partitioning import constrain_batch
 from specjax.models.layers import RMSNorm, apply_rope, param, rope_inv_freq
@@ -261,11 +261,11 @@ class Transformer(nnx.Module):
         ``segment_ids[n]`` (``>= num_slots`` marks padding) and sits at position
         ``cache.lengths[slot] + j`` where j is its rank among that slot's tokens (tokens of one
         slot are contiguous and in order). Dense work (projections, MLP, LM head) runs on the
-        flat ``[N]`` tokens, so its cost follows N; for attention the queries are scattered into a
-        ``[slots, grid_len]`` grid and attend to the used window of each slot's cache row once
+        flat ``[N]`` tokens, so its cost follows N; for attention the queries are laid out on a
+        ``[slots, grid_len]`` grid and attend to the used window of each slot's cache row
         (:func:`~specjax.models.attention.windowed_attention`), then gathered back. Keys/values
-        are written in place at ``(layer, slot, position)`` before attending. Cache lengths are NOT
-        advanced: the caller commits ``lengths`` after verification (rollback by lengths).
+        are written in place at ``(layer, slot, position)`` before attending. Cache lengths are
+        NOT advanced: the caller commits ``lengths`` after verification (rollback by lengths).
 
         Args:
           tokens: ``int32 [N]`` packed tokens (N is the bucket size).
@@ -276,6 +276,27 @@ class Transformer(nnx.Module):
         Returns:
           ForwardOutput with logits f32 ``[N, V]``, the written cache, hidden ``[n, N, D]``.
         """
+        out, _ = self._flat(tokens, segment_ids, cache, grid_len, hidden_layers, write=True)
+        return out
+
+    def forward_flat_kv(self, tokens: jax.Array, segment_ids: jax.Array, cache: KVCache, *,
+                        grid_len: int, hidden_layers: Sequence[int] = ()
+                        ) -> tuple[ForwardOutput, "NewKV"]:
+        """:meth:`forward_flat` that only *reads* the cache: each slot's tokens attend to its
+        committed positions plus the slot's own new tokens
+        (:func:`~specjax.models.attention.block_cached_attention`).
+
+        Returns ``(ForwardOutput with cache=None, NewKV)``: the new keys/values still to be
+        written (:meth:`NewKV.write`). For a caller inside a ``lax.switch`` (the device loop's
+        verification buckets): a branch that writes the cache makes XLA copy the whole cache
+        in and out of the conditional. Outside a conditional, use :meth:`forward_flat`: there
+        XLA:CPU copies the cache when it is read and then written in the same program.
+        """
+        return self._flat(tokens, segment_ids, cache, grid_len, hidden_layers, write=False)
+
+    def _flat(self, tokens, segment_ids, cache: KVCache, grid_len: int, hidden_layers,
+              *, write: bool):
+        """Both flat modes; returns ``(ForwardOutput, NewKV or None)``."""
         tokens = jnp.asarray(tokens, jnp.int32)
         seg = jnp.asarray(segment_ids, jnp.int32)
         if tokens.ndim != 1 or seg.shape != tokens.shape:
@@ -291,23 +312,74 @@ class Transformer(nnx.Module):
         positions = jnp.where(valid, cache.lengths[seg_c] + rank, cache.max_len)
         grid_slot = jnp.where(valid & (rank < grid_len), seg_c, s)  # s = dropped
         q_pos_grid = cache.lengths[:, None] + jnp.arange(grid_len, dtype=jnp.int32)[None, :]
-        need = jnp.max(jnp.where(valid, positions + 1, 1))
+        # grid_src[s, j]: the flat entry holding token j of slot s (n = N: none). One scatter of
+        # indices here; each layer then gathers its grid rows (cheaper than a scatter per layer).
+        grid_src = jnp.full((s, grid_len), n, jnp.int32).at[grid_slot, rank].set(idx, mode="drop")
+        grid_valid = grid_src < n
         windows = kv_windows(cache.max_len)
 
-        def attend(i, q, k, v, carry):
-            # q, k, v: [1, N, heads, Dh]
-            k_all, v_all = write_kv(*carry, i, seg_c, positions, k[0], v[0])
-            grid_q = jnp.zeros((s, grid_len) + q.shape[2:], q.dtype)
-            grid_q = grid_q.at[grid_slot, rank].set(q[0], mode="drop")
-            out = windowed_attention(grid_q, q_pos_grid, k_all, v_all, i, windows, need)
-            flat = out.at[grid_slot, rank].get(mode="fill", fill_value=0)
-            return flat[None], (k_all, v_all)
+        def to_grid(x):  # [N, ...] -> [S, grid_len, ...] (zeros where no token)
+            return jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])[grid_src]
 
-        x, (k_all, v_all), hid = self._run_layers(tokens[None], positions[None], attend,
-                                                  hidden_layers, (cache.k, cache.v))
-        logits = self.lm_logits(x[0])
-        return ForwardOutput(logits=logits, cache=cache.replace(k=k_all, v=v_all),
-                             hidden=None if hid is None else hid[:, 0])
+        if write:
+            need = jnp.max(jnp.where(valid, positions + 1, 1))
+
+            def attend(i, q, k, v, carry):  # q, k, v: [1, N, heads, Dh]
+                k_all, v_all = write_kv(*carry, i, seg_c, positions, k[0], v[0])
+                out = windowed_attention(to_grid(q[0]), q_pos_grid, k_all, v_all, i, windows,
+                                         need)
+                return out.at[grid_slot, rank].get(mode="fill", fill_value=0)[None], (k_all, v_all)
+            carry = (cache.k, cache.v)
+        else:
+            def attend(i, q, k, v, carry):
+                out = block_cached_attention(to_grid(q[0]), q_pos_grid, to_grid(k[0]),
+                                             to_grid(v[0]), grid_valid, cache.k, cache.v, i,
+                                             windows, cache.lengths)
+                flat = out.at[grid_slot, rank].get(mode="fill", fill_value=0)
+                return flat[None], carry + ((k[0], v[0]),)
+            carry = ()
+
+        x, carry, hid = self._run_layers(tokens[None], positions[None], attend, hidden_layers,
+                                         carry)
+        out = ForwardOutput(logits=self.lm_logits(x[0]), cache=None,
+                            hidden=None if hid is None else hid[:, 0])
+        if write:
+            return out._replace(cache=cache.replace(k=carry[0], v=carry[1])), None
+        new_kv = NewKV(k=jnp.stack([k for k, _ in carry]), v=jnp.stack([v for _, v in carry]),
+                       slots=seg_c, positions=positions)
+        return out, new_kv
+
+
+class NewKV(NamedTuple):
+    """Keys/values of N new tokens, not yet in the cache.
+
+    k, v: ``[layers, N, KVH, Dh]``; slots, positions: int32 ``[N]`` where they go (positions
+    ``>= max_len`` are padding and are dropped on write).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    slots: jax.Array
+    positions: jax.Array
+
+    def write(self, cache: KVCache) -> KVCache:
+        """The cache with these entries written in place (lengths kept): one
+        :func:`~specjax.models.attention.write_kv` per layer, as the cached forward writes."""
+        k, v = cache.k, cache.v
+        for layer in range(k.shape[0]):
+            k, v = write_kv(k, v, layer, self.slots, self.positions, self.k[layer], self.v[layer])
+        return cache.replace(k=k, v=v)
+
+    def pad(self, n: int, max_len: int) -> "NewKV":
+        """Padded to ``n`` entries (the padding is dropped on write): one static shape for every
+        verification bucket."""
+        extra = n - self.slots.shape[0]
+        if extra < 0:
+            raise ValueError(f"cannot pad {self.slots.shape[0]} entries to {n}")
+        widths = ((0, 0), (0, extra), (0, 0), (0, 0))
+        return NewKV(k=jnp.pad(self.k, widths), v=jnp.pad(self.v, widths),
+                     slots=jnp.pad(self.slots, (0, extra)),
+                     positions=jnp.pad(self.positions, (0, extra), constant_values=max_len))
 
 
 def apply(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, **kwargs) -> ForwardOutput:
