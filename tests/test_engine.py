@@ -17,7 +17,8 @@ from specjax.engine import Engine, EngineConfig, Request
 from specjax.models import ModelConfig, init_model
 from specjax.models.config import ModelConfig as _MC
 from specjax.models.generate import generate
-from specjax.models.transformer import ForwardOutput, NewKV
+from specjax.models.kv_cache import NewKV
+from specjax.models.transformer import ForwardOutput
 from specjax.scheduling import SchedulerConfig, SPSProfile
 
 pytestmark = pytest.mark.xdist_group("engine")

@@ -26,8 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.drafters.base import Observation, Sampling
-from specjax.models.kv_cache import KVCache
-from specjax.models.transformer import NewKV
+from specjax.models.kv_cache import KVCache, NewKV
 from specjax.sampling import sample
 from specjax.verify import rejection_sample, target_only_sample
 
@@ -85,7 +84,7 @@ class VerifyForward(NamedTuple):
     logits: f32 ``[S, γ+1, V]`` (row j of slot s: the target's logits after its token j).
     hidden: ``[n, S, γ+1, D]`` hidden states for the drafter, or None.
     cache: the cache with the new tokens' keys/values written (``write=True``), or None.
-    new_kv: those keys/values unwritten (:class:`~specjax.models.transformer.NewKV`;
+    new_kv: those keys/values unwritten (:class:`~specjax.models.kv_cache.NewKV`;
       ``write=False``), or None.
     """
 

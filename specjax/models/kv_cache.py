@@ -18,10 +18,12 @@ segment id = slot and a position per token) writes into the same arrays at ``(sl
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from specjax.models.attention import write_kv
 from specjax.models.config import ModelConfig
 
 
@@ -79,3 +81,35 @@ def init_cache(config: ModelConfig, num_slots: int, max_len: int, dtype=None) ->
     shape = (config.num_layers, num_slots, max_len, config.num_kv_heads, config.head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    lengths=jnp.zeros((num_slots,), jnp.int32))
+
+
+class NewKV(NamedTuple):
+    """Keys/values of N new tokens, not yet in the cache.
+
+    k, v: ``[layers, N, KVH, Dh]``; slots, positions: int32 ``[N]`` where they go (positions
+    ``>= max_len`` are padding and are dropped on write).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    slots: jax.Array
+    positions: jax.Array
+
+    def write(self, cache: KVCache) -> KVCache:
+        """The cache with these entries written in place (lengths kept): one
+        :func:`~specjax.models.attention.write_kv` per layer, as the cached forward writes."""
+        k, v = cache.k, cache.v
+        for layer in range(k.shape[0]):
+            k, v = write_kv(k, v, layer, self.slots, self.positions, self.k[layer], self.v[layer])
+        return cache.replace(k=k, v=v)
+
+    def pad(self, n: int, max_len: int) -> "NewKV":
+        """Padded to ``n`` entries (the padding is dropped on write): one static shape for every
+        verification bucket."""
+        extra = n - self.slots.shape[0]
+        if extra < 0:
+            raise ValueError(f"cannot pad {self.slots.shape[0]} entries to {n}")
+        widths = ((0, 0), (0, extra), (0, 0), (0, 0))
+        return NewKV(k=jnp.pad(self.k, widths), v=jnp.pad(self.v, widths),
+                     slots=jnp.pad(self.slots, (0, extra)),
+                     positions=jnp.pad(self.positions, (0, extra), constant_values=max_len))

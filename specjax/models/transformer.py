@@ -33,7 +33,7 @@ from flax import nnx
 from specjax.models.config import ModelConfig
 from specjax.models.attention import (attention_weights_mask, block_cached_attention,
                                       grouped_attention, kv_windows, windowed_attention, write_kv)
-from specjax.models.kv_cache import KVCache
+from specjax.models.kv_cache import KVCache, NewKV
 from specjax.models.partitioning import constrain_batch
 from specjax.models.layers import RMSNorm, apply_rope, param, rope_inv_freq
 
@@ -287,7 +287,7 @@ class Transformer(nnx.Module):
         (:func:`~specjax.models.attention.block_cached_attention`).
 
         Returns ``(ForwardOutput with cache=None, NewKV)``: the new keys/values still to be
-        written (:meth:`NewKV.write`). For a caller inside a ``lax.switch`` (the device loop's
+        written (:meth:`~specjax.models.kv_cache.NewKV.write`). For a caller inside a ``lax.switch`` (the device loop's
         verification buckets): a branch that writes the cache makes XLA copy the whole cache
         in and out of the conditional. Outside a conditional, use :meth:`forward_flat`: there
         XLA:CPU copies the cache when it is read and then written in the same program.
@@ -348,38 +348,6 @@ class Transformer(nnx.Module):
         new_kv = NewKV(k=jnp.stack([k for k, _ in carry]), v=jnp.stack([v for _, v in carry]),
                        slots=seg_c, positions=positions)
         return out, new_kv
-
-
-class NewKV(NamedTuple):
-    """Keys/values of N new tokens, not yet in the cache.
-
-    k, v: ``[layers, N, KVH, Dh]``; slots, positions: int32 ``[N]`` where they go (positions
-    ``>= max_len`` are padding and are dropped on write).
-    """
-
-    k: jax.Array
-    v: jax.Array
-    slots: jax.Array
-    positions: jax.Array
-
-    def write(self, cache: KVCache) -> KVCache:
-        """The cache with these entries written in place (lengths kept): one
-        :func:`~specjax.models.attention.write_kv` per layer, as the cached forward writes."""
-        k, v = cache.k, cache.v
-        for layer in range(k.shape[0]):
-            k, v = write_kv(k, v, layer, self.slots, self.positions, self.k[layer], self.v[layer])
-        return cache.replace(k=k, v=v)
-
-    def pad(self, n: int, max_len: int) -> "NewKV":
-        """Padded to ``n`` entries (the padding is dropped on write): one static shape for every
-        verification bucket."""
-        extra = n - self.slots.shape[0]
-        if extra < 0:
-            raise ValueError(f"cannot pad {self.slots.shape[0]} entries to {n}")
-        widths = ((0, 0), (0, extra), (0, 0), (0, 0))
-        return NewKV(k=jnp.pad(self.k, widths), v=jnp.pad(self.v, widths),
-                     slots=jnp.pad(self.slots, (0, extra)),
-                     positions=jnp.pad(self.positions, (0, extra), constant_values=max_len))
 
 
 def apply(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, **kwargs) -> ForwardOutput:
