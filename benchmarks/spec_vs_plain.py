@@ -12,8 +12,9 @@ warm-up run; median of ``--reps`` runs, prefill included for every decoder):
 The baseline of every speed-up is the fastest plain decoder of that cell (``generate`` or
 ``engine_none``), measured in the same run. Each speculative cell also gets the analytic
 prediction ``τ · t_plain / (t_draft + t_verify(B·(K+1)))`` from its measured τ (tokens per slot
-step), the plain decoder's per-step time and separately timed draft and verification steps, and
-the measured / predicted ratio.
+step) and a plain decode step, a draft step and a verification step each timed on its own inside
+a jitted ``fori_loop`` at the cell's mid-generation context and temperature, and the measured /
+predicted ratio.
 
 Run (after ``make quickstart``, which trains the target and the MTP head)::
 
@@ -83,36 +84,61 @@ def _run_engine(eng, prompts, new_tokens, temperature):
     return res
 
 
-def _step_costs(eng, reps: int) -> dict:
-    """Separately timed draft step and verification at the bucket of a full fixed-K batch."""
-    from specjax.engine.steps import draft_step, verify_step
+def _loop_time(fn, state, reps: int, n: int) -> float:
+    """Seconds per iteration of ``fn(i, state) -> state`` run ``n`` times in one jitted
+    ``fori_loop`` (the cost inside a device loop: no dispatch, no host work); median of reps."""
+    run = jax.jit(lambda st: jax.lax.fori_loop(0, n, fn, st))
+    t, _ = _median_time(lambda: jax.block_until_ready(run(state)), reps)
+    return t / n
+
+
+def _step_costs(eng, reps: int, context: int, temperature: float, n: int = 64) -> dict:
+    """The pieces of a speculative step and a plain decode step, each timed inside a device loop
+    at a fixed context of ``context`` positions per slot and every slot at ``temperature``: the
+    draft step, the verification of a full fixed-K batch (its bucket's read-only forward, then
+    rejection sampling and the commits, as the device loop runs them) and one plain decode step
+    (the target forward and the same sampling as the engine's plain step)."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from specjax.drafters.base import Sampling
+    from specjax.engine.steps import sample_rows, verify_finish, verify_forward
+    from specjax.sampling import all_greedy
     s, g = eng.config.num_slots, eng.config.gamma
     k = min(eng.config.scheduler.k, g)
-    sampling = eng._put(eng._sampling())
+    sampling = Sampling(temperature=jnp.full((s,), temperature, jnp.float32))
     keys = eng._slot_keys(2)
-    nd = eng._put(np.full(s, k, np.int32))
+    nd = jnp.full((s,), k, jnp.int32)
     bucket = next(b for b in eng.buckets if b >= s * (k + 1))
+    lengths = jnp.full((s,), context, jnp.int32)
+    state = eng.state._replace(cache=eng.state.cache.rollback(lengths))
+    d, p, f, key = eng.drafter, eng.params, eng.frozen, eng._next_key()
+    drafts, _ = jax.jit(lambda st: d.propose(p, f, st.drafter_state, key, gamma=g,
+                                             sampling=sampling))(state)
 
-    def draft():
-        out, _ = draft_step(eng.drafter, eng.params, eng.frozen, eng.state.drafter_state,
-                            eng._next_key(), sampling, gamma=g, argmax=False)
-        jax.block_until_ready(out.tokens)
-        return out
+    def draft(i, st):
+        out, ds = d.propose(p, f, st.drafter_state, jax.random.fold_in(key, i), gamma=g,
+                            sampling=sampling)
+        return st._replace(drafter_state=ds, anchor=st.anchor + 0 * out.tokens[:, 0])
 
-    d = draft()
-    t_draft, _ = _median_time(draft, reps)
+    def verify(i, st):
+        fwd = verify_forward(eng.graphdef, eng.target_state, d, st, drafts.tokens, nd,
+                             bucket=bucket, gamma=g, write=False, pad_to=eng.buckets[-1])
+        st2, _ = verify_finish(d, p, f, st, fwd, drafts.tokens, drafts.probs, nd, keys, sampling,
+                               method=eng.config.method, verify_impl=eng.verify_impl)
+        return st2._replace(cache=st2.cache.rollback(lengths), drafter_state=st.drafter_state)
 
-    def verify():
-        eng.state, res = verify_step(eng.graphdef, eng.target_state, eng.drafter, eng.params,
-                                     eng.frozen, eng.state, d.tokens, d.probs, nd, keys, sampling,
-                                     bucket=bucket, gamma=g, method=eng.config.method)
-        # back to an empty cache (lengths committed like every step output: no recompilation)
-        eng.state = eng.state._replace(
-            cache=eng.state.cache.rollback(eng._put(np.zeros(s, np.int32))))
-        jax.block_until_ready(res.tokens)
+    def plain(i, st):
+        model = nnx.merge(eng.graphdef, eng.target_state)
+        res = model(st.anchor[:, None], cache=st.cache, num_valid=jnp.ones((s,), jnp.int32))
+        tok = sample_rows(keys, sampling.probs(res.logits[:, 0]),
+                          all_greedy(sampling.temperature))
+        return st._replace(cache=res.cache.rollback(lengths), anchor=tok)
 
-    t_verify, _ = _median_time(verify, reps)
-    return {"draft_s": t_draft, "verify_s": t_verify, "bucket": bucket, "k": k}
+    return {"draft_s": _loop_time(draft, state, reps, n),
+            "verify_s": _loop_time(verify, state, reps, n),
+            "plain_s": _loop_time(plain, state, reps, n),
+            "bucket": bucket, "k": k, "context": context, "temperature": temperature,
+            "iterations": n}
 
 
 def run(args) -> dict:
@@ -152,7 +178,9 @@ def run(args) -> dict:
                 engines[f"spec:{name}:{policy}"] = _engine(
                     target, d, p, f, slots=b, gamma=gamma, policy=policy,
                     k=min(args.k, gamma), max_len=max_len)
-        costs = {n: _step_costs(e, args.reps) for n, e in engines.items() if n.startswith("spec:")}
+        context = args.prompt_len + args.new_tokens // 2
+        costs = {(n, t): _step_costs(e, args.reps, context, t) for n, e in engines.items()
+                 if n.startswith("spec:") for t in args.temperatures}
         for domain in args.domains:
             prompts = _prompts(tok, domain, b, args.prompt_len)
             for temp in args.temperatures:
@@ -183,7 +211,7 @@ def run(args) -> dict:
                             accepted / np.maximum(drafted, 1)).tolist()  # survival of 1..k
                         entry["alpha_per_position"] = (  # conditional α_k
                             accepted / np.maximum(reached, 1)).tolist()
-                        entry["step_costs"] = costs[name]
+                        entry["step_costs"] = costs[(name, temp)]
                     cell["decoders"][name] = entry
                 _speedups(cell)
                 out["cells"].append(cell)
@@ -225,17 +253,15 @@ def _speedups(cell: dict) -> None:
     cell["device_loop_vs_host_loop"] = dec["generate"]["tokens_per_s"] / \
         dec["generate_host"]["tokens_per_s"]
     cell["engine_none_vs_fastest"] = dec["engine_none"]["tokens_per_s"] / base["tokens_per_s"]
-    plain_step = dec["generate"]["step_s"]
     for name, e in dec.items():
         if not name.startswith("spec:"):
             continue
         e["speedup"] = e["tokens_per_s"] / base["tokens_per_s"]
         c = e["step_costs"]
-        pred_step = c["draft_s"] + c["verify_s"]
-        # τ tokens per step of cost pred_step, against one token per plain step; scaled to the
-        # fastest plain decoder's measured throughput.
-        e["predicted_speedup"] = e["tau"] * plain_step / pred_step * \
-            dec["generate"]["tokens_per_s"] / base["tokens_per_s"]
+        # τ tokens per speculative step (draft + verify) against one token per plain decode
+        # step, all three timed inside a device loop at the same context: the device-side bound
+        # (prefill, host calls and the loop's own bookkeeping are left out on both sides).
+        e["predicted_speedup"] = e["tau"] * c["plain_s"] / (c["draft_s"] + c["verify_s"])
         e["measured_over_predicted"] = e["speedup"] / e["predicted_speedup"]
 
 

@@ -166,3 +166,25 @@ def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
     which gives 0).
     """
     return race_argmax(probs, exponential_noise(key, probs.shape))
+
+
+def sample_or_argmax(greedy, sample_fn, probs: jax.Array) -> jax.Array:
+    """``sample_fn()`` unless ``greedy`` (bool scalar: every row is temperature 0), then the
+    argmax of ``probs`` ``[..., V]`` without drawing any noise.
+
+    Exact: a greedy row's ``probs`` is the one-hot of its argmax, which every sampler here
+    returns whatever the noise, so skipping the noise changes no token. It saves the ``V``
+    random numbers per row that dominate a small model's sampling cost.
+    """
+    return jax.lax.cond(jnp.asarray(greedy, bool),
+                        lambda: jnp.argmax(probs, axis=-1).astype(jnp.int32), sample_fn)
+
+
+def all_greedy(temperature, where=None) -> jax.Array:
+    """Bool scalar: every row (where ``where``) has temperature 0."""
+    t = jnp.asarray(temperature)
+    greedy = t <= 0.0
+    if where is not None:
+        greedy = greedy | ~where
+    return jnp.all(greedy)
+

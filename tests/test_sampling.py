@@ -148,3 +148,23 @@ def test_race_argmax_respects_zero_weights():
     w = jnp.array([[0.0, 0.0, 1e-30, 0.0], [0.0, 0.0, 0.0, 0.0]])
     e = jnp.array([[1e-10, 1e-10, 16.0, 1e-10], [1.0, 0.5, 0.1, 2.0]])
     assert S.race_argmax(w, e).tolist() == [2, 0]
+
+
+def test_all_greedy_batches_skip_the_noise_and_pick_the_same_tokens():
+    """``sample_or_argmax`` on a greedy batch returns what the sampler returns for one-hot rows
+    (for any key), and on a batch that is not all greedy it is the sampler itself."""
+    from specjax.sampling import all_greedy, logits_to_probs, sample, sample_or_argmax
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(6, 50)), jnp.float32)
+    onehot = logits_to_probs(logits, jnp.zeros(6))
+    for seed in range(5):
+        key = jax.random.key(seed)
+        quiet = jax.jit(lambda: sample_or_argmax(True, lambda: sample(key, onehot), onehot))()
+        np.testing.assert_array_equal(np.asarray(quiet), np.asarray(sample(key, onehot)))
+    probs = logits_to_probs(logits, jnp.ones(6))
+    key = jax.random.key(7)
+    noisy = sample_or_argmax(False, lambda: sample(key, probs), probs)
+    np.testing.assert_array_equal(np.asarray(noisy), np.asarray(sample(key, probs)))
+    assert bool(all_greedy(jnp.asarray([0.0, 0.0])))
+    assert not bool(all_greedy(jnp.asarray([0.0, 1.0])))
+    assert bool(all_greedy(jnp.asarray([0.0, 1.0]), where=jnp.asarray([True, False])))

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.models.transformer import embed_lookup, head_logits
-from specjax.sampling import logits_to_probs, sample
+from specjax.sampling import all_greedy, logits_to_probs, sample, sample_or_argmax
 
 __all__ = [
     "DraftOutput",
@@ -182,8 +182,8 @@ def draw(key: jax.Array, logits: jax.Array, sampling: Sampling, argmax: bool = F
     q = sampling.probs(logits)
     if argmax:
         tok = jnp.argmax(q, axis=-1).astype(jnp.int32)
-    else:
-        tok = sample(key, q)
+    else:  # an all-greedy batch draws no noise (same tokens: q is one-hot)
+        tok = sample_or_argmax(all_greedy(sampling.temperature), lambda: sample(key, q), q)
     return tok, q
 
 

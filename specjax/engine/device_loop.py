@@ -34,6 +34,7 @@ from flax import nnx
 from specjax.drafters.base import DraftOutput, Sampling
 from specjax.engine import device_policies as dp
 from specjax.engine.steps import DeviceState, sample_rows, verify_finish, verify_forward
+from specjax.sampling import all_greedy
 
 VERIFY_SALT = 2  # key salt of verification noise (prefill's first token uses 1)
 
@@ -146,7 +147,8 @@ def _plain_step(target_graphdef, target_state, ls: LoopState, sampling, keys):
     dev = ls.dev
     target = nnx.merge(target_graphdef, target_state)
     res = target(dev.anchor[:, None], cache=dev.cache, num_valid=ls.active.astype(jnp.int32))
-    tok = sample_rows(keys, sampling.probs(res.logits[:, 0]))
+    tok = sample_rows(keys, sampling.probs(res.logits[:, 0]),
+                      all_greedy(sampling.temperature, where=ls.active))
     anchor = jnp.where(ls.active, tok, dev.anchor)
     return DeviceState(res.cache, dev.drafter_state, anchor), tok[:, None]
 

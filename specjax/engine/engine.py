@@ -153,9 +153,10 @@ class Engine(HostLoopMixin, DeviceLoopMixin):
 
     # ---------------------------------------------------------------------------------- helpers
     def _sampling(self) -> Sampling:
-        """Per-slot sampling arrays (idle slots: temperature 1, no filters)."""
+        """Per-slot sampling arrays (idle slots: temperature 0, so that a batch of greedy
+        requests draws no noise; no filters)."""
         s = self.config.num_slots
-        temp = np.ones(s, np.float32)
+        temp = np.zeros(s, np.float32)
         top_k = np.full(s, self.model_config.vocab_size, np.int32)
         top_p = np.ones(s, np.float32)
         for i, live in enumerate(self.slots):

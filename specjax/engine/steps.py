@@ -27,8 +27,9 @@ from flax import nnx
 
 from specjax.drafters.base import Observation, Sampling
 from specjax.models.kv_cache import KVCache, NewKV
-from specjax.sampling import sample
-from specjax.verify import rejection_sample, target_only_sample
+from specjax.sampling import all_greedy, sample, sample_or_argmax
+from specjax.verify import (rejection_sample, rejection_sample_with_noise, target_only_sample,
+                            target_only_sample_with_noise)
 
 
 class DeviceState(NamedTuple):
@@ -139,11 +140,22 @@ def verify_finish(drafter, params, frozen, state: DeviceState, fwd: VerifyForwar
     active = num_draft >= 0
     nd = jnp.maximum(num_draft, 0)
     target_probs = sampling.probs(fwd.logits)
-    if method == "rejection":
-        ver = rejection_sample(verify_keys, draft_tokens, draft_probs, target_probs, nd,
-                               impl=verify_impl)
-    else:
-        ver = target_only_sample(verify_keys, draft_tokens, target_probs, nd)
+
+    def noisy():
+        if method == "rejection":
+            return rejection_sample(verify_keys, draft_tokens, draft_probs, target_probs, nd,
+                                    impl=verify_impl)
+        return target_only_sample(verify_keys, draft_tokens, target_probs, nd)
+
+    def quiet():  # every active row greedy: p and q one-hot, the noise decides nothing
+        b, k = draft_tokens.shape
+        u = jnp.zeros((b, k), jnp.float32)
+        e = jnp.ones((b, target_probs.shape[-1]), jnp.float32)
+        if method == "rejection":
+            return rejection_sample_with_noise(draft_tokens, draft_probs, target_probs, u, e, nd)
+        return target_only_sample_with_noise(draft_tokens, target_probs, u, e, nd)
+
+    ver = jax.lax.cond(all_greedy(sampling.temperature, where=active), quiet, noisy)
     accepted = jnp.where(active, ver.num_accepted, 0)
     nxt = jnp.take_along_axis(ver.tokens, accepted[:, None], axis=1)[:, 0]
     nxt = jnp.where(active, nxt, state.anchor)
@@ -228,9 +240,10 @@ def merge_rows(drafter, mask: jax.Array, new, old, *, max_len: int, gamma: int):
     return select_rows(mask, new, old, axes)
 
 
-def sample_rows(keys: jax.Array, probs: jax.Array) -> jax.Array:
-    """One token per row ``[S, V] -> [S]`` with the row's own key."""
-    return jax.vmap(sample)(keys, probs)
+def sample_rows(keys: jax.Array, probs: jax.Array, greedy=False) -> jax.Array:
+    """One token per row ``[S, V] -> [S]`` with the row's own key; ``greedy`` (bool scalar:
+    every row is temperature 0) takes the argmax and draws no noise (the same tokens)."""
+    return sample_or_argmax(greedy, lambda: jax.vmap(sample)(keys, probs), probs)
 
 
 @functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "max_len", "gamma"),
@@ -258,7 +271,8 @@ def prefill_step(target_graphdef: nnx.GraphDef, target_state, drafter, params, f
     out = target(tokens, cache=cache, num_valid=num_valid, hidden_layers=drafter.hidden_layers)
     last = jnp.take_along_axis(out.logits, jnp.maximum(num_valid - 1, 0)[:, None, None],
                                axis=1)[:, 0]
-    first = sample_rows(first_keys, sampling.probs(last))
+    first = sample_rows(first_keys, sampling.probs(last),
+                        all_greedy(sampling.temperature, where=num_valid > 0))
     prefilling = num_valid > 0
     nxt = jnp.where(is_last, first, jnp.where(prefilling, next_prompt_token, state.anchor))
     obs = Observation(tokens=tokens, num_valid=num_valid, start=start, next_token=nxt,
