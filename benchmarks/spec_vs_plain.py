@@ -87,7 +87,11 @@ def _run_engine(eng, prompts, new_tokens, temperature):
 def _loop_time(fn, state, reps: int, n: int) -> float:
     """Seconds per iteration of ``fn(i, state) -> state`` run ``n`` times in one jitted
     ``fori_loop`` (the cost inside a device loop: no dispatch, no host work); median of reps."""
-    run = jax.jit(lambda st: jax.lax.fori_loop(0, n, fn, st))
+    # The barrier makes every iteration depend on the previous one: without it XLA hoists
+    # work on loop-invariant state (a drafter whose propose does not change its state) out of
+    # the loop, and the step looks nearly free.
+    body = lambda i, st: fn(i, jax.lax.optimization_barrier(st))  # noqa: E731
+    run = jax.jit(lambda st: jax.lax.fori_loop(0, n, body, st))
     t, _ = _median_time(lambda: jax.block_until_ready(run(state)), reps)
     return t / n
 
@@ -118,11 +122,17 @@ def _step_costs(eng, reps: int, context: int, temperature: float, n: int = 64) -
     def draft(i, st):
         out, ds = d.propose(p, f, st.drafter_state, jax.random.fold_in(key, i), gamma=g,
                             sampling=sampling)
-        return st._replace(drafter_state=ds, anchor=st.anchor + 0 * out.tokens[:, 0])
+        return st._replace(drafter_state=ds, anchor=out.tokens[:, -1])  # used: never DCE'd
 
     def verify(i, st):
-        fwd = verify_forward(eng.graphdef, eng.target_state, d, st, drafts.tokens, nd,
-                             bucket=bucket, gamma=g, write=False, pad_to=eng.buckets[-1])
+        # as in the device loop: the forward in a switch over the token buckets (a forward that
+        # only reads the cache, outside a conditional, makes XLA:CPU copy the cache to write it)
+        n_tok = jnp.sum(nd + 1 + 0 * st.anchor)
+        idx = jnp.searchsorted(jnp.asarray(eng.buckets, jnp.int32), n_tok)
+        branches = [lambda st, b=b: verify_forward(
+            eng.graphdef, eng.target_state, d, st, drafts.tokens, nd, bucket=b, gamma=g,
+            write=False, pad_to=eng.buckets[-1]) for b in eng.buckets]
+        fwd = jax.lax.switch(jnp.minimum(idx, len(eng.buckets) - 1), branches, st)
         st2, _ = verify_finish(d, p, f, st, fwd, drafts.tokens, drafts.probs, nd, keys, sampling,
                                method=eng.config.method, verify_impl=eng.verify_impl)
         return st2._replace(cache=st2.cache.rollback(lengths), drafter_state=st.drafter_state)
