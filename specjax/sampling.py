@@ -187,4 +187,3 @@ def all_greedy(temperature, where=None) -> jax.Array:
     if where is not None:
         greedy = greedy | ~where
     return jnp.all(greedy)
-

@@ -142,29 +142,36 @@ def windowed_attention(q: jax.Array, q_pos: jax.Array, k_all: jax.Array, v_all: 
         mask = attention_weights_mask(q_pos, k_pos)
         return grouped_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
 
-    # Which operands the branches get is a per-compiler choice, measured on both (one slice of
-    # exactly the window inside the branch, never a materialised layer row, is the goal):
-    # * TPU: only this layer's cache. Handing the branches the whole layered cache made the TPU
-    #   compiler copy every layer's cache inside each branch (tests/test_aot_tpu.py).
-    # * CPU: the whole layered cache. Handing it one layer's rows made XLA:CPU materialise that
-    #   layer's row ``[S, max_len, ...]`` in the attention's layout before the switch, for k and
-    #   v, every layer and step: a copy proportional to max_len (plain decoding 0.96 vs 0.73 ms
-    #   per step at max_len 512 vs 128 on the quickstart target, at the same 64-token context).
+    return layer_window_switch(k_all, v_all, layer, windows, need, attend)
+
+
+def layer_window_switch(k_all: jax.Array, v_all: jax.Array, layer: int, windows: Sequence[int],
+                        need: jax.Array, attend):
+    """``attend(k, v, w)`` on the first ``w`` positions of one layer of the layered cache
+    ``[layers, S, max_len, KVH, Dh]``, for the smallest window ``w >= need``
+    (:func:`window_switch`).
+
+    Which operands the branches get is a per-compiler choice, measured on both (one slice of
+    exactly the window inside the branch, never a materialised layer row, is the goal):
+
+    * TPU: only this layer's cache. Handing the branches the whole layered cache made the TPU
+      compiler copy every layer's cache inside each branch (tests/test_aot_tpu.py).
+    * CPU: the whole layered cache. Handing it one layer's rows made XLA:CPU materialise that
+      layer's row ``[S, max_len, ...]`` in the attention's layout before the switch, for k and v,
+      every layer and step: a copy proportional to max_len
+      (tests/test_attention_window.py::test_cached_step_writes_the_cache_in_place).
+    """
+    def window(k, v, w):
+        return attend(jax.lax.slice_in_dim(k, 0, w, axis=1),
+                      jax.lax.slice_in_dim(v, 0, w, axis=1), w)
+
     if trace_platform() == "cpu":
         def branch(w: int):
-            def run(k_all, v_all):
-                k = jax.lax.slice_in_dim(k_all[layer], 0, w, axis=1)
-                v = jax.lax.slice_in_dim(v_all[layer], 0, w, axis=1)
-                return attend(k, v, w)
-            return run
+            return lambda k_all, v_all: window(k_all[layer], v_all[layer], w)
         return window_switch(need, windows, branch, k_all, v_all)
 
     def layer_branch(w: int):
-        def run(k_layer, v_layer):
-            k = jax.lax.slice_in_dim(k_layer, 0, w, axis=1)
-            v = jax.lax.slice_in_dim(v_layer, 0, w, axis=1)
-            return attend(k, v, w)
-        return run
+        return lambda k_layer, v_layer: window(k_layer, v_layer, w)
     return window_switch(need, windows, layer_branch, k_all[layer], v_all[layer])
 
 
@@ -204,21 +211,7 @@ def block_cached_attention(q: jax.Array, q_pos: jax.Array, k_new: jax.Array, v_n
         v = jnp.concatenate([v.astype(q.dtype), v_new.astype(q.dtype)], axis=1)
         return grouped_attention(q, k, v, mask)
 
-    # Branch operands per compiler: see windowed_attention.
-    if trace_platform() == "cpu":
-        def branch(w: int):
-            def run(k_all, v_all):
-                return attend(jax.lax.slice_in_dim(k_all[layer], 0, w, axis=1),
-                              jax.lax.slice_in_dim(v_all[layer], 0, w, axis=1), w)
-            return run
-        return window_switch(need, windows, branch, k_all, v_all)
-
-    def layer_branch(w: int):
-        def run(k_layer, v_layer):
-            return attend(jax.lax.slice_in_dim(k_layer, 0, w, axis=1),
-                          jax.lax.slice_in_dim(v_layer, 0, w, axis=1), w)
-        return run
-    return window_switch(need, windows, layer_branch, k_all[layer], v_all[layer])
+    return layer_window_switch(k_all, v_all, layer, windows, need, attend)
 
 
 def contiguous_page_table(num_slots: int, max_len: int, page_size: int) -> jax.Array:

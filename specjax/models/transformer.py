@@ -287,9 +287,9 @@ class Transformer(nnx.Module):
         (:func:`~specjax.models.attention.block_cached_attention`).
 
         Returns ``(ForwardOutput with cache=None, NewKV)``: the new keys/values still to be
-        written (:meth:`~specjax.models.kv_cache.NewKV.write`). For a caller inside a ``lax.switch`` (the device loop's
-        verification buckets): a branch that writes the cache makes XLA copy the whole cache
-        in and out of the conditional. Outside a conditional, use :meth:`forward_flat`: there
+        written (:meth:`~specjax.models.kv_cache.NewKV.write`). For a caller inside a
+        ``lax.switch`` (the device loop's verification buckets): a branch that writes the cache
+        makes XLA copy the whole cache in and out of the conditional. Outside a conditional, use :meth:`forward_flat`: there
         XLA:CPU copies the cache when it is read and then written in the same program.
         """
         return self._flat(tokens, segment_ids, cache, grid_len, hidden_layers, write=False)
