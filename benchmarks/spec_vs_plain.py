@@ -84,18 +84,6 @@ def _run_engine(eng, prompts, new_tokens, temperature):
     return res
 
 
-def _loop_time(fn, state, reps: int, n: int) -> float:
-    """Seconds per iteration of ``fn(i, state) -> state`` run ``n`` times in one jitted
-    ``fori_loop`` (the cost inside a device loop: no dispatch, no host work); median of reps."""
-    # The barrier makes every iteration depend on the previous one: without it XLA hoists
-    # work on loop-invariant state (a drafter whose propose does not change its state) out of
-    # the loop, and the step looks nearly free.
-    body = lambda i, st: fn(i, jax.lax.optimization_barrier(st))  # noqa: E731
-    run = jax.jit(lambda st: jax.lax.fori_loop(0, n, body, st))
-    t, _ = _median_time(lambda: jax.block_until_ready(run(state)), reps)
-    return t / n
-
-
 def _step_costs(eng, reps: int, context: int, temperature: float, n: int = 64) -> dict:
     """The pieces of a speculative step and a plain decode step, each timed inside a device loop
     at a fixed context of ``context`` positions per slot and every slot at ``temperature``: the
@@ -105,6 +93,7 @@ def _step_costs(eng, reps: int, context: int, temperature: float, n: int = 64) -
     import jax.numpy as jnp
     from flax import nnx
     from specjax.drafters.base import Sampling
+    from specjax.engine.step_costs import loop_time
     from specjax.engine.steps import sample_rows, verify_finish, verify_forward
     from specjax.sampling import all_greedy
     s, g = eng.config.num_slots, eng.config.gamma
@@ -144,9 +133,9 @@ def _step_costs(eng, reps: int, context: int, temperature: float, n: int = 64) -
                           all_greedy(sampling.temperature))
         return st._replace(cache=res.cache.rollback(lengths), anchor=tok)
 
-    return {"draft_s": _loop_time(draft, state, reps, n),
-            "verify_s": _loop_time(verify, state, reps, n),
-            "plain_s": _loop_time(plain, state, reps, n),
+    return {"draft_s": loop_time(draft, state, reps, n),
+            "verify_s": loop_time(verify, state, reps, n),
+            "plain_s": loop_time(plain, state, reps, n),
             "bucket": bucket, "k": k, "context": context, "temperature": temperature,
             "iterations": n}
 

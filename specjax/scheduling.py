@@ -85,12 +85,15 @@ class SPSProfile:
     steps_per_s: tuple[float, ...]
     key: str = ""
     draft_s: float = 0.0  # seconds of one drafting step (all slots); 0 = free / not measured
+    plain_s: float = 0.0  # seconds of one plain decode step (all slots); 0 = not measured
 
     def __post_init__(self):
         if len(self.buckets) != len(self.steps_per_s):
             raise ValueError("one SPS value per bucket is required")
-        if not (self.draft_s >= 0 and np.isfinite(self.draft_s)):
-            raise ValueError(f"draft_s must be a finite number ≥ 0, got {self.draft_s}")
+        for name in ("draft_s", "plain_s"):
+            v = getattr(self, name)
+            if not (v >= 0 and np.isfinite(v)):
+                raise ValueError(f"{name} must be a finite number ≥ 0, got {v}")
         if list(self.buckets) != validate_buckets(self.buckets):
             raise ValueError(f"buckets must be sorted and distinct, got {self.buckets}")
         if any(not s > 0 for s in self.steps_per_s):
@@ -118,7 +121,8 @@ class SPSProfile:
     def to_dict(self) -> dict:
         """The JSON form :meth:`save` writes and :meth:`load` reads."""
         return {"key": self.key, "buckets": list(self.buckets),
-                "steps_per_s": list(self.steps_per_s), "draft_s": self.draft_s}
+                "steps_per_s": list(self.steps_per_s), "draft_s": self.draft_s,
+                "plain_s": self.plain_s}
 
     def save(self, path: str) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -130,7 +134,12 @@ class SPSProfile:
         with open(path) as f:
             d = json.load(f)
         return cls(tuple(d["buckets"]), tuple(d["steps_per_s"]), d.get("key", ""),
-                   float(d.get("draft_s", 0.0)))
+                   float(d.get("draft_s", 0.0)), float(d.get("plain_s", 0.0)))
+
+    @property
+    def plain_sps(self) -> float:
+        """Steps/second of a plain decode step (0 when not measured)."""
+        return 1.0 / self.plain_s if self.plain_s > 0 else 0.0
 
 
 def profile_sps(run_bucket: Callable[[int], None], buckets: Sequence[int], *, key: str = "",
@@ -253,7 +262,7 @@ def expected_throughput(confidences, lengths, sps_table) -> float:
 
 
 def budget_search(confidences, sps_table, max_len: Optional[np.ndarray] = None,
-                  sps_table_draft=None) -> int:
+                  sps_table_draft=None, plain_sps: float = 0.0) -> int:
     """Number of draft tokens to verify: full (no early stop) search of Θ along the greedy path.
 
     Used with *stale* confidences (two steps old) by :func:`production_schedule`; searching the
@@ -264,6 +273,9 @@ def budget_search(confidences, sps_table, max_len: Optional[np.ndarray] = None,
         (:meth:`SPSProfile.table_with_draft`). When given, a budget > 0 is scored with it and
         budget 0 with ``sps_table``: the budget is fixed before drafting, so budget 0 means the
         step does not draft at all and does not pay for it.
+      plain_sps: optional steps/second of the plain decode step a non-drafting step runs instead
+        of a verification (the device loop's production policy; :attr:`SPSProfile.plain_s`).
+        When > 0, budget 0 is scored ``R · plain_sps``; otherwise ``R · SPS(R)``.
     """
     a = prefix_survival(confidences)
     sps = np.asarray(sps_table, np.float64)
@@ -280,7 +292,8 @@ def budget_search(confidences, sps_table, max_len: Optional[np.ndarray] = None,
     tau = num_rows + np.cumsum(vals[:n_free])
     theta = tau * sps_d[num_rows + 1:num_rows + 1 + n_free]
     best = int(np.argmax(theta))
-    return best + 1 if theta[best] > num_rows * sps[num_rows] else 0
+    theta0 = num_rows * (plain_sps if plain_sps > 0 else sps[num_rows])
+    return best + 1 if theta[best] > theta0 else 0
 
 
 def top_budget_admission(confidences, budget: int,
@@ -300,7 +313,8 @@ def top_budget_admission(confidences, budget: int,
 
 
 def production_schedule(live_confidences, stale_confidences, sps_table,
-                        max_len: Optional[np.ndarray] = None, sps_table_draft=None) -> np.ndarray:
+                        max_len: Optional[np.ndarray] = None, sps_table_draft=None,
+                        plain_sps: float = 0.0) -> np.ndarray:
     """DSpark §5.2: budget from stale confidences (full search), top-budget live admission.
 
     Args:
@@ -311,7 +325,7 @@ def production_schedule(live_confidences, stale_confidences, sps_table,
     Returns:
       int ``[R]`` lengths; ``Σ ℓ`` never exceeds the budget, ``R + Σ ℓ ≤ B_max``.
     """
-    budget = budget_search(stale_confidences, sps_table, max_len, sps_table_draft)
+    budget = budget_search(stale_confidences, sps_table, max_len, sps_table_draft, plain_sps)
     return top_budget_admission(live_confidences, budget, max_len)
 
 

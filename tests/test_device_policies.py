@@ -36,13 +36,14 @@ def _host(fn, conf, active, cap, *args, **kw):
 
 
 @jax.jit
-def _device_all(conf, active, cap, sps, sps_d, budget):
+def _device_all(conf, active, cap, sps, sps_d, budget, plain):
     c = jnp.asarray(conf, jnp.float32)
     return dict(
         dspark=dp.prefix_schedule(c, sps, cap, active, early_stop=True),
         retro=dp.prefix_schedule(c, sps, cap, active, early_stop=False),
         budget=dp.budget_search(c, sps, cap, active),
         budget_d=dp.budget_search(c, sps, cap, active, sps_d),
+        budget_p=dp.budget_search(c, sps, cap, active, sps_d, plain),
         top=dp.top_budget_admission(c, budget, cap, active),
         thresh=dp.threshold_schedule(c, 0.375, cap, active),
         fixed=dp.fixed_k(3, cap, active),
@@ -55,10 +56,12 @@ def test_device_policies_match_numpy_references(seed):
     for _ in range(50):
         conf, active, cap, sps = _case(rng)
         sps_d = sps / 2  # dyadic too
+        plain = float(rng.integers(0, 17)) / 4  # 0: not measured (budget 0 scored with sps)
         budget = int(rng.integers(0, S * G + 2))
         dev = jax.tree.map(np.asarray, _device_all(
             jnp.asarray(conf, jnp.float32), jnp.asarray(active), jnp.asarray(cap, jnp.int32),
-            jnp.asarray(sps, jnp.float32), jnp.asarray(sps_d, jnp.float32), jnp.int32(budget)))
+            jnp.asarray(sps, jnp.float32), jnp.asarray(sps_d, jnp.float32), jnp.int32(budget),
+            jnp.float32(plain)))
         rows = np.flatnonzero(active)
         ref = dict(
             dspark=_host(scheduling.prefix_schedule, conf, active, cap, sps, early_stop=True),
@@ -72,6 +75,8 @@ def test_device_policies_match_numpy_references(seed):
             np.testing.assert_array_equal(dev[name], want, err_msg=f"{name} {conf} {cap}")
         assert int(dev["budget"]) == scheduling.budget_search(conf[rows], sps, cap[rows])
         assert int(dev["budget_d"]) == scheduling.budget_search(conf[rows], sps, cap[rows], sps_d)
+        assert int(dev["budget_p"]) == scheduling.budget_search(conf[rows], sps, cap[rows], sps_d,
+                                                                plain_sps=plain)
 
 
 def test_ties_follow_the_reference_order():

@@ -427,8 +427,9 @@ def test_failed_step_frees_slots_and_serving_continues(target, monkeypatch, loop
     assert engine.finished[ids[2]].tokens == ref
 
 
-@pytest.mark.parametrize("kind", ["mtp", "dspark"])
-def test_device_loop_never_copies_the_target_cache(target, kind, monkeypatch):
+@pytest.mark.parametrize("kind,policy", [("mtp", "fixed"), ("dspark", "fixed"),
+                                         ("dspark", "production")])
+def test_device_loop_never_copies_the_target_cache(target, kind, policy, monkeypatch):
     """The compiled device loop holds no copy as large as the whole layered target cache.
 
     The verification bucket switch once wrote the cache inside its branches, and XLA copied the
@@ -440,7 +441,7 @@ def test_device_loop_never_copies_the_target_cache(target, kind, monkeypatch):
     max_len, slots = 512, 2
     eng = Engine(target, d, p, f, EngineConfig(num_slots=slots, max_len=max_len, gamma=3,
                                                loop="device", prefill_buckets=(16,),
-                                               scheduler=SchedulerConfig("fixed", k=3)))
+                                               scheduler=SchedulerConfig(policy, k=3)))
     captured = {}
     real = driver.run_loop
 

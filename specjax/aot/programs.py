@@ -256,7 +256,8 @@ def _loop_program(shapes: EngineShapes, graphdef, t_abs, drafter, d_abs, frozen,
         lower=lambda: run_loop.lower(
             graphdef, t_abs, drafter, d_abs, frozen, loop_abs, sampling, rep((s,), jnp.uint32),
             rep((s, 2), jnp.int32), rep((b_max + 1,), jnp.float32),
-            rep((b_max + 1,), jnp.float32), key, rep((), jnp.bool_), spec=spec))
+            rep((b_max + 1,), jnp.float32), rep((), jnp.float32), key, rep((), jnp.bool_),
+            spec=spec))
 
 
 # ------------------------------------------------------------------------------------------------

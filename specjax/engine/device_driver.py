@@ -102,19 +102,22 @@ class DeviceLoopMixin:
         return stats
 
     def _device_sps(self):
-        """SPS tables (verify only, draft + verify) on the device, rebuilt when they change."""
+        """SPS tables (verify only, draft + verify) and the plain step's steps/s (0: not
+        measured) on the device, rebuilt when they change."""
         if self._sps_dev is None or self._sps_dev[0] is not self.sps_table:
+            plain = 0.0 if self.sps is None else self.sps.plain_sps
             self._sps_dev = (self.sps_table, self._put(np.asarray(self.sps_table, np.float32)),
-                             self._put(np.asarray(self.sps_table_draft, np.float32)))
-        return self._sps_dev[1], self._sps_dev[2]
+                             self._put(np.asarray(self.sps_table_draft, np.float32)),
+                             self._put(np.float32(plain)))
+        return self._sps_dev[1:]
 
     def _run_loop(self, *, stop_on_finish: bool) -> LoopState:
         """One call of the device loop over the current slots; keeps its state. Returns it."""
         ls, (seeds, stops, stop) = self._loop_inputs(stop_on_finish)
-        sps, sps_d = self._device_sps()
+        sps, sps_d, sps_plain = self._device_sps()
         ls = run_loop(self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
-                      ls, self._put(self._sampling()), seeds, stops, sps, sps_d, self._key, stop,
-                      spec=self._loop_spec)
+                      ls, self._put(self._sampling()), seeds, stops, sps, sps_d, sps_plain,
+                      self._key, stop, spec=self._loop_spec)
         self.state = ls.dev
         self._carry = ls
         return ls

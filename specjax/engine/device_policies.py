@@ -86,11 +86,12 @@ def prefix_schedule(conf, sps, cap, active, *, early_stop: bool = True):
     return _lengths(rows, js, n, s, active)
 
 
-def budget_search(conf, sps, cap, active, sps_draft=None):
+def budget_search(conf, sps, cap, active, sps_draft=None, sps_plain=None):
     """Draft-token budget from (stale) confidences: full search of Θ along the greedy path.
 
     ``sps_draft`` (optional, like ``sps``) scores budgets > 0 (a step that drafts); budget 0 is
-    scored with ``sps``. Returns an int32 scalar.
+    scored with ``sps_plain`` (f32 scalar, steps/s of the plain step that replaces a
+    verification of no drafts) when it is > 0, else with ``sps``. Returns an int32 scalar.
     """
     rows, js, vals, n_cand = _ordered_candidates(survival(conf), cap, active)
     num_rows = jnp.sum(active).astype(jnp.int32)
@@ -99,7 +100,10 @@ def budget_search(conf, sps, cap, active, sps_draft=None):
     m = jnp.arange(vals.shape[0])
     masked = jnp.where(m < n_free, theta, -jnp.inf)
     best = jnp.argmax(masked)
-    ok = (n_free > 0) & (masked[best] > num_rows * sps[num_rows])
+    theta0 = num_rows * sps[num_rows]
+    if sps_plain is not None:
+        theta0 = jnp.where(sps_plain > 0, num_rows * sps_plain, theta0)
+    ok = (n_free > 0) & (masked[best] > theta0)
     return jnp.where(ok, best + 1, 0).astype(jnp.int32)
 
 

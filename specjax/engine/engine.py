@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import os
 import time
 import warnings
 from typing import Iterable, Optional, Sequence, Union
@@ -46,6 +47,7 @@ from specjax.engine.device_loop import slot_keys
 from specjax.engine.host_loop import HostLoopMixin
 from specjax.engine.requests import (CONFIDENCE_POLICIES, EngineConfig, LoopStats, Request, Result,
                                      StepStats, _Live)
+from specjax.engine.step_costs import device_loop_profile
 from specjax.engine.steps import DeviceState, merge_rows, prefill_step, verify_step
 from specjax.models.kv_cache import init_cache
 from specjax.verify import resolve_impl
@@ -337,11 +339,13 @@ class Engine(HostLoopMixin, DeviceLoopMixin):
                 self.state, np.zeros((s, c), np.int32), z, np.zeros(s, bool), z,
                 np.zeros(s, bool), keys, sampling, max_len=self.config.max_len, gamma=g)
         policy = self.config.scheduler.policy
+        key = (f"{jax.devices()[0].device_kind}/{self.model_config}/"
+               f"{type(self.drafter).__name__}/S{s}/g{g}/L{self.config.max_len}")
         if self.config.loop == "device":
-            profile = profile and policy in ("dspark", "production", "retrospective")
             self._warmup_device_loop()
-            if not profile:
-                return
+            if profile and policy in ("dspark", "production", "retrospective"):
+                self._set_profile(self._device_loop_profile(key + "/device-loop"))
+            return
         draft, dstate = self._draft()
         if self.config.loop == "host" and self.config.overlap:  # admissions under overlap merge pre-dispatched drafter rows
             merge_rows(self.drafter, np.zeros(s, bool), self.state.drafter_state, dstate,
@@ -358,19 +362,32 @@ class Engine(HostLoopMixin, DeviceLoopMixin):
         for b in self.buckets:
             run_bucket(b)
         if profile:
-            key = (f"{jax.devices()[0].device_kind}/{self.model_config}/"
-                   f"{type(self.drafter).__name__}/S{s}/g{g}/L{self.config.max_len}")
-            self.sps = scheduling.profile_sps(
+            self._set_profile(scheduling.profile_sps(
                 run_bucket, self.buckets, key=key, reps=self.config.profile_reps, warmup=0,
                 cache_path=self.config.sps_cache,
-                run_draft=lambda: jax.block_until_ready(self._draft()))
-            self.sps_table, self.sps_table_draft = self.sps.table(), self.sps.table_with_draft()
-            self._device_sps()
+                run_draft=lambda: jax.block_until_ready(self._draft())))
+
+    def _device_loop_profile(self, key: str) -> scheduling.SPSProfile:
+        """The device loop's SPS profile: steps timed inside device loops
+        (:func:`~specjax.engine.step_costs.device_loop_profile`), or the one saved at
+        ``config.sps_cache`` under the same key."""
+        path = self.config.sps_cache
+        if path and os.path.exists(path):
+            saved = scheduling.SPSProfile.load(path)
+            if saved.key == key and list(saved.buckets) == self.buckets:
+                return saved
+        prof = device_loop_profile(self, reps=self.config.profile_reps, key=key)
+        if path:
+            prof.save(path)
+        return prof
 
     def set_sps(self, profile: scheduling.SPSProfile) -> None:
         """Uses a given SPS profile (e.g. a hand-made one in tests)."""
         if list(profile.buckets) != self.buckets:
             raise ValueError(f"profile buckets {profile.buckets} != engine buckets {self.buckets}")
+        self._set_profile(profile)
+
+    def _set_profile(self, profile: scheduling.SPSProfile) -> None:
         self.sps, self.sps_table = profile, profile.table()
         self.sps_table_draft = profile.table_with_draft()
         if self.config.loop == "device":

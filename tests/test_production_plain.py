@@ -1,0 +1,129 @@
+"""Production's steps without drafts run the plain decode step, and the device loop's profile.
+
+A step whose budget (from stale confidences) is 0 draws no drafts; the device loop then runs the
+dense decode step of policy "none" and commits the drafter as after a verification of no drafts,
+instead of a flattened verification of ℓ = 0. The token distribution is the target's either way
+(the T = 1 chi-square of ``test_engine.py::test_temperature1_engine_with_scheduler_is_lossless``
+runs production with both kinds of steps); these tests pin the drafter state and the policy's
+choice.
+"""
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_engine import CFG, _drafter, _greedy_reference, target  # noqa: E402,F401
+
+from specjax.drafters.base import Sampling  # noqa: E402
+from specjax.engine import Engine, EngineConfig, Request  # noqa: E402
+from specjax.engine.device_loop import _plain_step, init_loop_state  # noqa: E402
+from specjax.engine.steps import verify_core  # noqa: E402
+from specjax.scheduling import SchedulerConfig, SPSProfile  # noqa: E402
+
+
+def _prefilled_engine(target, kind, slots=2):
+    d, p, f = _drafter(kind, target)
+    eng = Engine(target, d, p, f, EngineConfig(num_slots=slots, max_len=32, gamma=3,
+                                               prefill_buckets=(8,), loop="device",
+                                               scheduler=SchedulerConfig("fixed", k=3)))
+    eng.warmup(profile=False)
+    eng.submit(Request(prompt=[3, 1, 4, 1, 5], max_new_tokens=8))
+    eng._admit()
+    return eng
+
+
+@pytest.mark.parametrize("kind", ["mtp", "dspark"])
+def test_plain_step_commits_the_drafter_like_a_verification_of_no_drafts(target, kind):
+    """Same token, same cache lengths and the same drafter state as verifying ℓ = 0 drafts.
+
+    Tolerance of the float leaves (hidden states, drafter keys/values): the dense decode and the
+    flattened verification run the same float32 operations in different layouts, so they differ
+    only in the order of each reduction, by at most about n·2^-24 of the terms' magnitude for a
+    length-n dot (n ≤ 64 here) per layer; 1e-4 of each leaf's largest magnitude bounds two layers
+    of that with a wide margin, while a commit at a wrong position or of a wrong token changes
+    entries by their whole size."""
+    eng = _prefilled_engine(target, kind)
+    s = eng.config.num_slots
+    active = np.array([eng.slots[i] is not None for i in range(s)])
+    greedy = Sampling(temperature=jnp.zeros((s,), jnp.float32))
+    keys = eng._slot_keys(0)
+    state = eng.state
+    ls = init_loop_state(state, s, 3, 4)._replace(active=jnp.asarray(active))
+    plain, tok = jax.jit(lambda ls: _plain_step(eng.graphdef, eng.target_state, ls, greedy, keys,
+                                                eng.drafter, eng.params, eng.frozen))(ls)
+    nd = jnp.where(jnp.asarray(active), 0, -1)
+    drafts = jnp.zeros((s, 3), jnp.int32)
+    probs = jnp.full((s, 3, CFG.vocab_size), 1.0 / CFG.vocab_size)
+    ver, res = verify_core(eng.graphdef, eng.target_state, eng.drafter, eng.params, eng.frozen,
+                           state, drafts, probs, nd, keys, greedy, bucket=eng.buckets[0],
+                           gamma=3, method="rejection")
+    np.testing.assert_array_equal(np.asarray(tok[active, 0]), np.asarray(res.tokens[active, 0]))
+    np.testing.assert_array_equal(np.asarray(plain.anchor), np.asarray(ver.anchor))
+    np.testing.assert_array_equal(np.asarray(plain.cache.lengths), np.asarray(ver.cache.lengths))
+    n = int(state.cache.lengths[0]) + 1  # written positions of the active slot
+    np.testing.assert_allclose(np.asarray(plain.cache.k[:, 0, :n]), np.asarray(ver.cache.k[:, 0, :n]),
+                               atol=1e-4 * float(jnp.max(jnp.abs(ver.cache.k))))
+    for a, b in zip(jax.tree.leaves(plain.drafter_state), jax.tree.leaves(ver.drafter_state)):
+        a, b = np.asarray(a), np.asarray(b)
+        if np.issubdtype(b.dtype, np.integer):
+            np.testing.assert_array_equal(a, b)
+        else:
+            np.testing.assert_allclose(a, b, atol=1e-4 * max(float(np.max(np.abs(b))), 1e-30))
+
+
+def _production(target, plain_s, draft_s):
+    d, p, f = _drafter("dspark", target)
+    cfg = EngineConfig(num_slots=4, max_len=32, gamma=3, prefill_buckets=(8,), loop="device",
+                       scheduler=SchedulerConfig("production"))
+    eng = Engine(target, d, p, f, cfg)
+    eng.warmup(profile=False)
+    eng.set_sps(SPSProfile(tuple(eng.buckets), (1.0,) * len(eng.buckets), draft_s=draft_s,
+                           plain_s=plain_s))
+    return eng
+
+
+@pytest.mark.parametrize("plain_s,draft_s,drafts_every_step", [(1e-3, 0.0, False),
+                                                                (1e3, 0.0, True)])
+def test_production_drafts_only_when_the_plain_step_is_slower(target, plain_s, draft_s,
+                                                              drafts_every_step):
+    """A plain step 1000x faster than a verification: production drafts only to explore (once
+    per ``explore_every`` steps); 1000x slower: it drafts on every step where a draft fits (not
+    where every active request has one token left: at most one such step per request). Greedy
+    output equals plain greedy decoding either way."""
+    eng = _production(target, plain_s, draft_s)
+    rng = np.random.default_rng(0)
+    reqs = [Request(prompt=rng.integers(0, CFG.vocab_size, size=5).tolist(), max_new_tokens=12)
+            for _ in range(6)]
+    results = eng.generate(reqs)
+    for req, res in zip(reqs, results):
+        assert res.tokens == _greedy_reference(target, req)[0]
+    steps = sum(s.steps for s in eng.loop_stats)
+    draft_steps = sum(s.draft_steps for s in eng.loop_stats)
+    if drafts_every_step:
+        assert steps - len(reqs) <= draft_steps <= steps, (draft_steps, steps)
+    else:
+        every = eng.config.scheduler.explore_every
+        assert 0 < draft_steps <= steps // every + len(eng.loop_stats), (draft_steps, steps)
+
+
+def test_device_loop_profile_is_measured_in_the_loop_and_cached(target, tmp_path):
+    """warmup() of a device-loop engine with a confidence policy measures every bucket, the
+    draft and the plain step (all > 0 s), saves the profile under a device-loop key and reuses
+    it."""
+    d, p, f = _drafter("dspark", target)
+    path = str(tmp_path / "sps.json")
+    cfg = EngineConfig(num_slots=2, max_len=32, gamma=3, prefill_buckets=(8,), loop="device",
+                       scheduler=SchedulerConfig("production"), sps_cache=path, profile_reps=1)
+    eng = Engine(target, d, p, f, cfg)
+    eng.warmup()
+    prof = eng.sps
+    assert prof.key.endswith("/device-loop") and len(prof.steps_per_s) == len(eng.buckets)
+    assert all(v > 0 for v in prof.steps_per_s) and prof.draft_s > 0 and prof.plain_s > 0
+    assert SPSProfile.load(path) == prof
+    again = Engine(target, d, p, f, cfg)
+    again.warmup()
+    assert again.sps == prof  # loaded, not re-measured (timings never repeat exactly)
