@@ -2,8 +2,10 @@
 
 One call runs, per step and without returning to the host::
 
-    budget   production only: draft-token budget from confidences two steps old
-    draft    every slot drafts γ tokens (skipped by "none", and by production at budget 0)
+    budget   production only: draft-token budget from confidences two steps old; at budget 0
+             the step is a plain decode step (as "none", plus the drafter's commit) instead
+             of the four below
+    draft    every slot drafts γ tokens (skipped by "none")
     choose   ℓ per slot with the policy in jnp (:mod:`specjax.engine.device_policies`)
     verify   Σ(1+ℓ) tokens in the smallest token bucket (``lax.switch``, one branch per bucket),
              rejection / target-only per slot, caches and drafter committed by lengths
