@@ -276,7 +276,7 @@ def main(argv=None):
                       flush=True)
         report["closed_loop"][c] = {
             "sps": {"buckets": list(sps.buckets), "steps_per_s": list(sps.steps_per_s),
-                    "draft_s": sps.draft_s},
+                    "draft_s": sps.draft_s, "plain_s": sps.plain_s, "key": sps.key},
             "policies": {p: {k: statistics.median(x[k] for x in rs) for k in rs[0]}
                          for p, rs in runs.items()}}
         if c == args.overlap_at:
@@ -314,7 +314,8 @@ def main(argv=None):
         sps = report["closed_loop"][c]["sps"]
         from specjax.scheduling import SPSProfile
         prof = SPSProfile(tuple(sps["buckets"]), tuple(sps["steps_per_s"]),
-                          draft_s=sps["draft_s"])
+                          sps.get("key", ""), draft_s=sps["draft_s"],
+                          plain_s=sps.get("plain_s", 0.0))
         for rate in rates:
             report["poisson"][rate] = {}
             for p in pols:

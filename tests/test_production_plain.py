@@ -121,9 +121,35 @@ def test_device_loop_profile_is_measured_in_the_loop_and_cached(target, tmp_path
     eng = Engine(target, d, p, f, cfg)
     eng.warmup()
     prof = eng.sps
-    assert prof.key.endswith("/device-loop") and len(prof.steps_per_s) == len(eng.buckets)
+    assert prof.key.endswith("/device-loop/ctx8") and len(prof.steps_per_s) == len(eng.buckets)
     assert all(v > 0 for v in prof.steps_per_s) and prof.draft_s > 0 and prof.plain_s > 0
     assert SPSProfile.load(path) == prof
     again = Engine(target, d, p, f, cfg)
     again.warmup()
     assert again.sps == prof  # loaded, not re-measured (timings never repeat exactly)
+
+
+def test_profiled_steps_are_not_folded_or_dead_code(target):
+    """Each step the profile times keeps its work inside the timing loop: the loop program's flops
+    are at least half of the same step compiled alone with all its outputs returned. (A draft
+    whose tokens nobody reads, or a verification of compile-time constants, compiled to a few
+    flops and made drafting look free.)"""
+    from specjax.engine.step_costs import loop_program, profile_steps
+    d, p, f = _drafter("dspark", target)
+    eng = Engine(target, d, p, f, EngineConfig(num_slots=2, max_len=32, gamma=3,
+                                               prefill_buckets=(8,), loop="device",
+                                               scheduler=SchedulerConfig("fixed", k=3)))
+    eng.warmup(profile=False)
+    fns, carries = profile_steps(eng, context=8)
+    assert set(fns) == {f"verify/{b}" for b in eng.buckets} | {"draft", "plain"}
+
+    def flops(compiled):
+        c = compiled.cost_analysis()
+        return float((c[0] if isinstance(c, (list, tuple)) else c).get("flops", 0.0))
+
+    for name in ("draft", "plain", f"verify/{eng.buckets[0]}", f"verify/{eng.buckets[-1]}"):
+        fn = fns[name]
+        alone = flops(jax.jit(lambda c, fn=fn: fn(0, c)).lower(carries[name]).compile())
+        looped = flops(loop_program(fn, 4).lower(carries[name]).compile())
+        assert alone > 1e4, (name, alone)  # a forward of the test model, not a no-op
+        assert looped >= 0.5 * alone, (name, looped, alone)

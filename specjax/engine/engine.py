@@ -47,7 +47,7 @@ from specjax.engine.device_loop import slot_keys
 from specjax.engine.host_loop import HostLoopMixin
 from specjax.engine.requests import (CONFIDENCE_POLICIES, EngineConfig, LoopStats, Request, Result,
                                      StepStats, _Live)
-from specjax.engine.step_costs import device_loop_profile
+from specjax.engine.step_costs import default_context, device_loop_profile
 from specjax.engine.steps import DeviceState, merge_rows, prefill_step, verify_step
 from specjax.models.kv_cache import init_cache
 from specjax.verify import resolve_impl
@@ -344,7 +344,8 @@ class Engine(HostLoopMixin, DeviceLoopMixin):
         if self.config.loop == "device":
             self._warmup_device_loop()
             if profile and policy in ("dspark", "production", "retrospective"):
-                self._set_profile(self._device_loop_profile(key + "/device-loop"))
+                self._set_profile(self._device_loop_profile(
+                    key + f"/device-loop/ctx{default_context(self.config)}"))
             return
         draft, dstate = self._draft()
         if self.config.loop == "host" and self.config.overlap:  # admissions under overlap merge pre-dispatched drafter rows

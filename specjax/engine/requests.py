@@ -76,6 +76,8 @@ class EngineConfig:
     overlap: pre-dispatch the next draft while the host processes the current step.
     sps_cache: JSON path for the SPS profile (reused when device and model match).
     profile_reps: timed repetitions per bucket when profiling. seed: drafting randomness.
+    profile_context: cached positions per slot at which the device loop's profile times its steps
+    (attention follows the context); default ``max_len // 4``.
     filters: compile top-k / top-p support (a sort over V per position); False serves
     temperature-only requests faster and rejects requests that set top_k / top_p.
     loop: "device" runs up to ``loop_steps`` steps per call inside one jitted ``lax.while_loop``
@@ -97,6 +99,7 @@ class EngineConfig:
     overlap: bool = True
     sps_cache: Optional[str] = None
     profile_reps: int = 5
+    profile_context: Optional[int] = None
     seed: int = 0
     filters: bool = True
     loop: str = "device"
@@ -120,6 +123,10 @@ class EngineConfig:
                              f"got {self.method!r}")
         if self.max_len < self.gamma + 2:
             raise ValueError(f"EngineConfig.max_len {self.max_len} too small for gamma {self.gamma}")
+        if self.profile_context is not None and not (
+                0 <= self.profile_context <= self.max_len - self.gamma - 1):
+            raise ValueError(f"EngineConfig.profile_context must be in [0, max_len - gamma - 1] = "
+                             f"[0, {self.max_len - self.gamma - 1}], got {self.profile_context}")
         scheduling.validate_buckets(self.prefill_buckets)
         if self.token_buckets is not None:
             b = scheduling.validate_buckets(self.token_buckets)

@@ -5,6 +5,11 @@ model that is a large, noisy share of it. The device loop (:mod:`specjax.engine.
 pays neither, so its scheduler's steps-per-second profile (DSpark §5.1, "SPS") is measured here
 the same way: ``n`` steps back to back in one program, median over repetitions.
 
+Everything a timed step reads (state, drafts, draft lengths, keys, sampling parameters) travels in
+the loop's carry, and every output stays in it: a step input that is a compile-time constant, or
+an output nobody reads, lets XLA fold or delete the work, and the step looks nearly free
+(``tests/test_production_plain.py`` checks the compiled programs' flops).
+
 Used by :meth:`Engine.warmup <specjax.engine.engine.Engine.warmup>` for the device loop's
 profile and by ``benchmarks/spec_vs_plain.py`` for its analytic prediction.
 """
@@ -12,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,62 +38,129 @@ def median_seconds(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
-def loop_time(fn: Callable, state, reps: int, n: int) -> float:
-    """Seconds per iteration of ``fn(i, state) -> state`` run ``n`` times in one jitted
-    ``fori_loop`` (no dispatch, no host work); median of ``reps`` calls."""
+def loop_program(fn: Callable, n: int):
+    """The jitted program ``carry -> carry`` that runs ``fn(i, carry) -> carry`` ``n`` times in a
+    ``fori_loop`` and returns the whole final carry (so no output of a step is dead code)."""
     # The barrier makes every iteration depend on the previous one: without it XLA hoists
-    # work on loop-invariant state (a drafter whose propose does not change its state) out of
+    # work on loop-invariant inputs (a drafter whose propose does not change its state) out of
     # the loop, and the step looks nearly free.
-    body = lambda i, st: fn(i, jax.lax.optimization_barrier(st))  # noqa: E731
-    run = jax.jit(lambda st: jax.lax.fori_loop(0, n, body, st))
-    return median_seconds(lambda: run(state), reps) / n
+    body = lambda i, c: fn(i, jax.lax.optimization_barrier(c))  # noqa: E731
+    return jax.jit(lambda c: jax.lax.fori_loop(0, n, body, c))
 
 
-def device_loop_profile(eng, *, reps: int = 3, n: int = 16, key: str = "") -> scheduling.SPSProfile:
-    """The engine's SPS profile measured in device loops, on its current (idle) state.
+def loop_time(fn: Callable, carry, reps: int, n: int) -> float:
+    """Seconds per iteration of ``fn(i, carry) -> carry`` run ``n`` times in one jitted
+    ``fori_loop`` (no dispatch, no host work); median of ``reps`` calls. ``carry`` is a pytree of
+    arrays passed as the program's argument: put every input of the step in it, not in a closure."""
+    run = loop_program(fn, n)
+    return median_seconds(lambda: run(carry), reps) / n
 
-    Per verification bucket: the bucket's read-only forward and the verifier and commits, as the
-    loop runs them, on a bucket of padding tokens (idle slots: nothing changes). ``draft_s``: one
-    drafting call of every slot. ``plain_s``: the plain decode step production runs when it does
-    not draft (target forward, sampling, drafter commit).
+
+class ProfileAux(NamedTuple):
+    """The non-state inputs of the profiled steps, carried through the loop.
+
+    tokens int32 [S, γ], probs [S, γ, V]: a draft (the draft step replaces them with its own).
+    num_draft int32 [S]: ℓ per slot (−1 = idle slot). keys: per-slot sampling keys. sampling: the
+    engine's sampling parameters. lengths int32 [S]: the context the cache is rolled back to after
+    each step. weights: ``(target_state, drafter params, drafter frozen)``.
+    """
+    tokens: jax.Array
+    probs: jax.Array
+    num_draft: jax.Array
+    keys: jax.Array
+    sampling: object
+    lengths: jax.Array
+    weights: tuple
+
+
+def bucket_draft_lengths(num_slots: int, gamma: int, bucket: int) -> jax.Array:
+    """ℓ per slot for a verification that fills ``bucket`` tokens: the bucket's tokens spread over
+    the slots (each verifies ℓ + 1 ≤ γ + 1 tokens; −1 marks a slot with none)."""
+    per = [bucket // num_slots + (i < bucket % num_slots) for i in range(num_slots)]
+    return jnp.asarray([min(t, gamma + 1) - 1 for t in per], jnp.int32)
+
+
+def profile_steps(eng, context: int) -> tuple[dict, tuple]:
+    """The device loop's steps as ``fn(i, carry) -> carry``, each with ``carry = (state, aux)``.
+
+    Returns ``({name: fn}, carry)`` with names ``"verify/<bucket>"`` (the bucket's forward in the
+    loop's switch over buckets, the verifier and the commits, for slots whose ℓ fill the bucket),
+    ``"draft"`` (one drafting call of every slot) and ``"plain"`` (production's non-drafting step:
+    target forward, sampling, drafter commit). Every slot's cache holds ``context`` positions; the
+    target cache is rolled back to it after each step (the drafter's state is not).
     """
     s, g = eng.config.num_slots, eng.config.gamma
     d, p, f = eng.drafter, eng.params, eng.frozen
+    buckets = tuple(eng.buckets)
+    lengths = jnp.full((s,), context, jnp.int32)
+    state: DeviceState = eng.state._replace(cache=eng.state.cache.rollback(lengths))
     sampling = eng._sampling()
-    keys = eng._slot_keys(0)
-    state: DeviceState = eng.state
     dkey = eng._next_key()
-    drafts, _ = jax.jit(lambda st: d.propose(p, f, st.drafter_state, dkey, gamma=g,
-                                             sampling=sampling))(state)
-    idle = jnp.full((s,), -1, jnp.int32)
+    drafts, _ = jax.jit(lambda st, sm: d.propose(p, f, st.drafter_state, dkey, gamma=g,
+                                                 sampling=sm))(state, sampling)
+    aux = ProfileAux(drafts.tokens, drafts.probs, jnp.full((s,), -1, jnp.int32),
+                     eng._slot_keys(0), sampling, lengths, (eng.target_state, p, f))
 
-    def verify(bucket):
-        def step(i, st):
-            fwd = verify_forward(eng.graphdef, eng.target_state, d, st, drafts.tokens, idle,
-                                 bucket=bucket, gamma=g, write=False, pad_to=eng.buckets[-1])
-            st2, _ = verify_finish(d, p, f, st, fwd, drafts.tokens, drafts.probs, idle, keys,
-                                   sampling, method=eng.config.method,
-                                   verify_impl=eng.verify_impl)
-            return st2
-        return step
+    def verify(i, carry):
+        st, ax = carry
+        ts, p, f = ax.weights
+        # as in the device loop: the forward in a switch over the token buckets
+        n_tok = jnp.sum(ax.num_draft + 1)
+        idx = jnp.minimum(jnp.searchsorted(jnp.asarray(buckets, jnp.int32), n_tok),
+                          len(buckets) - 1)
+        branches = [lambda st, b=b: verify_forward(
+            eng.graphdef, ts, d, st, ax.tokens, ax.num_draft, bucket=b, gamma=g,
+            write=False, pad_to=buckets[-1]) for b in buckets]
+        fwd = jax.lax.switch(idx, branches, st)
+        st2, _ = verify_finish(d, p, f, st, fwd, ax.tokens, ax.probs, ax.num_draft, ax.keys,
+                               ax.sampling, method=eng.config.method, verify_impl=eng.verify_impl)
+        return st2._replace(cache=st2.cache.rollback(ax.lengths)), ax
 
-    def draft(i, st):
+    def draft(i, carry):
+        st, ax = carry
+        _, p, f = ax.weights
         out, ds = d.propose(p, f, st.drafter_state, jax.random.fold_in(dkey, i), gamma=g,
-                            sampling=sampling)
-        # the tokens feed the next iteration, so the draft is never dead code
-        return st._replace(drafter_state=ds, anchor=out.tokens[:, -1] * 0 + st.anchor)
+                            sampling=ax.sampling)
+        return st._replace(drafter_state=ds), ax._replace(tokens=out.tokens, probs=out.probs)
 
-    spec = LoopSpec(policy="production", gamma=g, buckets=tuple(eng.buckets), method="rejection",
+    spec = LoopSpec(policy="production", gamma=g, buckets=buckets, method="rejection",
                     max_steps=1)
     ls0 = init_loop_state(state, s, g, spec.out_len)
-    lengths = state.cache.lengths
 
-    def plain(i, st):
+    def plain(i, carry):
+        st, ax = carry
+        ts, p, f = ax.weights
         ls = ls0._replace(dev=st, active=jnp.ones((s,), bool))
-        dev, _ = _plain_step(eng.graphdef, eng.target_state, ls, sampling, keys, d, p, f)
-        return dev._replace(cache=dev.cache.rollback(lengths), anchor=st.anchor)
+        dev, _ = _plain_step(eng.graphdef, ts, ls, ax.sampling, ax.keys, d, p, f)
+        return dev._replace(cache=dev.cache.rollback(ax.lengths)), ax
 
-    sps = [1.0 / loop_time(verify(b), state, reps, n) for b in eng.buckets]
-    return scheduling.SPSProfile(tuple(eng.buckets), tuple(sps), key,
-                                 draft_s=loop_time(draft, state, reps, n),
-                                 plain_s=loop_time(plain, state, reps, n))
+    fns = {f"verify/{b}": verify for b in buckets}
+    fns.update(draft=draft, plain=plain)
+    carries = {f"verify/{b}": (state, aux._replace(num_draft=bucket_draft_lengths(s, g, b)))
+               for b in buckets}
+    carries.update(draft=(state, aux), plain=(state, aux))
+    return fns, carries
+
+
+def default_context(config) -> int:
+    """The context the profile is timed at: ``config.profile_context``, else ``max_len // 4``."""
+    if config.profile_context is not None:
+        return config.profile_context
+    return min(config.max_len // 4, config.max_len - config.gamma - 1)
+
+
+def device_loop_profile(eng, *, reps: int = 3, n: int = 16, key: str = "",
+                        context: int | None = None) -> scheduling.SPSProfile:
+    """The engine's SPS profile measured in device loops (see :func:`profile_steps`).
+
+    Per verification bucket: steps/s of a verification whose drafts fill the bucket. ``draft_s``:
+    one drafting call of every slot. ``plain_s``: the plain decode step production runs when it
+    does not draft. All at ``context`` cached positions per slot (default
+    :func:`default_context`).
+    """
+    ctx = default_context(eng.config) if context is None else context
+    fns, carries = profile_steps(eng, ctx)
+    t = {name: loop_time(fn, carries[name], reps, n) for name, fn in fns.items()}
+    return scheduling.SPSProfile(tuple(eng.buckets), tuple(1.0 / t[f"verify/{b}"]
+                                                           for b in eng.buckets),
+                                 key, draft_s=t["draft"], plain_s=t["plain"])
