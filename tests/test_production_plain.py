@@ -110,6 +110,31 @@ def test_production_drafts_only_when_the_plain_step_is_slower(target, plain_s, d
         assert 0 < draft_steps <= steps // every + len(eng.loop_stats), (draft_steps, steps)
 
 
+def test_production_exploration_backs_off_while_it_never_pays(target):
+    """With a plain step 1000x faster than any verification the budget search never drafts; the
+    exploring steps then come after 16, 32, 64, 128, 256, 256, ... steps without drafting (cumulative
+    16, 48, 112, 240, 496, ...), not every 16 steps. An exploring step that finds no room for a
+    draft (every request on its last token) is retried on the next step, hence the slack."""
+    from specjax.engine.device_loop import EXPLORE_BACKOFF
+    eng = _production(target, 1e-3, 0.0)
+    every = eng.config.scheduler.explore_every
+    rng = np.random.default_rng(1)
+    reqs = [Request(prompt=rng.integers(0, CFG.vocab_size, size=5).tolist(), max_new_tokens=20)
+            for _ in range(60)]
+    eng.generate(reqs)
+    steps = sum(s.steps for s in eng.loop_stats)
+    draft_steps = sum(s.draft_steps for s in eng.loop_stats)
+    marks, t, gap = [], 0, every
+    while t <= steps:
+        t += gap
+        marks.append(t)
+        gap = min(2 * gap, EXPLORE_BACKOFF * every)
+    due = lambda n: sum(m <= n for m in marks)  # noqa: E731
+    assert steps > 240, steps
+    assert due(steps - 20) <= draft_steps <= due(steps), (draft_steps, steps, marks)
+    assert draft_steps < steps // every - 5  # far fewer than a fixed interval would take
+
+
 def test_device_loop_profile_is_measured_in_the_loop_and_cached(target, tmp_path):
     """warmup() of a device-loop engine with a confidence policy measures every bucket, the
     draft and the plain step (all > 0 s), saves the profile under a device-loop key and reuses

@@ -46,7 +46,7 @@ class DeviceLoopMixin:
         spec = self._loop_spec
         carry = self._carry
         if carry is None:
-            carry = init_loop_state(self.state, s, g, spec.out_len)
+            carry = init_loop_state(self.state, s, g, spec.out_len, spec.explore_every)
         active = np.zeros(s, bool)
         remaining = np.zeros(s, np.int32)
         steps = np.zeros(s, np.int32)
@@ -71,7 +71,8 @@ class DeviceLoopMixin:
             drafted=np.zeros((s, g), np.int32), accepted=np.zeros((s, g), np.int32),
             reached=np.zeros((s, g), np.int32),
             conf_hist=carry.conf_hist, hist_n=hist_n.astype(np.int32), prior=carry.prior,
-            prior_seen=carry.prior_seen, since_draft=carry.since_draft, draws=carry.draws,
+            prior_seen=carry.prior_seen, since_draft=carry.since_draft,
+            explore_gap=carry.explore_gap, draws=carry.draws,
             t=np.int32(0), finished=np.bool_(False))
         return self._put(ls), self._put((seeds, stops, np.bool_(stop_on_finish)))
 

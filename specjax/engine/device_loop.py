@@ -2,7 +2,8 @@
 
 One call runs, per step and without returning to the host::
 
-    budget   production only: draft-token budget from confidences two steps old; at budget 0
+    budget   production only: draft-token budget from each slot's latest drafted confidences
+             (at least one step old: fixed before this step drafts); at budget 0
              the step is a plain decode step (as "none", plus the drafter's commit) instead
              of the four below
     draft    every slot drafts γ tokens (skipped by "none")
@@ -39,6 +40,9 @@ from specjax.engine.steps import DeviceState, sample_rows, verify_finish, verify
 from specjax.sampling import all_greedy
 
 VERIFY_SALT = 2  # key salt of verification noise (prefill's first token uses 1)
+# Production's exploration interval grows up to this factor while exploring never pays: at high
+# load an exploring step (draft + a wide verification) costs several plain steps.
+EXPLORE_BACKOFF = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +86,9 @@ class LoopState(NamedTuple):
     prior: f32 ``[γ]`` running mean of confidences (production: stands in for new requests);
       prior_seen: bool scalar, the prior was set from real confidences.
     since_draft: int32 scalar, steps since the last drafting step (production's exploration).
+    explore_gap: int32 scalar, steps without drafting after which production drafts anyway: starts
+      at ``spec.explore_every``, doubles after each such exploring step (up to
+      ``EXPLORE_BACKOFF`` times it) and resets when the budget search itself drafts.
     draws: int32 scalar, drafting calls so far (keys the drafting noise).
     t: int32 scalar, steps this call. finished: bool scalar, a slot finished this call.
     """
@@ -100,6 +107,7 @@ class LoopState(NamedTuple):
     prior: jax.Array
     prior_seen: jax.Array
     since_draft: jax.Array
+    explore_gap: jax.Array
     draws: jax.Array
     t: jax.Array
     finished: jax.Array
@@ -243,15 +251,23 @@ def run_loop(target_graphdef: nnx.GraphDef, target_state, drafter, params, froze
             n_acc = jnp.zeros_like(ls.remaining)
             ell = jnp.where(active, 0, -1)
             drew = jnp.bool_(False)
+            gap = ls.explore_gap
         elif spec.policy == "production":
-            # Budget from confidences two steps old; no budget -> a plain step (no draft).
+            # Budget from each slot's latest drafted confidences (a step or more old: nothing is
+            # in flight on the device, unlike the paper's CPU scheduler, whose newest are two
+            # steps old); no budget -> a plain step (no draft).
             cap = jnp.clip(jnp.minimum(g, ls.remaining - 1), 0, g)
-            stale = jnp.where((ls.hist_n >= 2)[:, None], ls.conf_hist[:, 0], ls.prior[None])
+            stale = jnp.where((ls.hist_n >= 1)[:, None], ls.conf_hist[:, 1], ls.prior[None])
             budget = dp.budget_search(stale, sps, cap, active, sps_draft, sps_plain)
-            explore = (budget == 0) & (spec.explore_every > 0) & \
-                (ls.since_draft + 1 >= spec.explore_every)
+            voluntary = budget > 0
+            explore = ~voluntary & (spec.explore_every > 0) & \
+                (ls.since_draft + 1 >= ls.explore_gap)
             budget = jnp.where(explore, dp.budget_search(stale, sps, cap, active), budget)
             drew = budget > 0
+            gap = jnp.where(voluntary, spec.explore_every,
+                            jnp.where(drew, jnp.minimum(2 * ls.explore_gap,
+                                                        EXPLORE_BACKOFF * spec.explore_every),
+                                      ls.explore_gap))
 
             def speculate(step):
                 return _speculative_step(spec, target_graphdef, target_state, drafter, params,
@@ -278,6 +294,7 @@ def run_loop(target_graphdef: nnx.GraphDef, target_state, drafter, params, froze
                 spec, target_graphdef, target_state, drafter, params, frozen, dev, ls, sampling,
                 keys, key, jnp.int32(0), sps, cap)
             drew = jnp.bool_(True)
+            gap = ls.explore_gap
         n_tok = jnp.where(active, n_acc + 1, 0)
         new_active, remaining, buf, out_len, done = _emit(ls, tokens, n_tok, stop_tokens, spec)
         pos = jnp.arange(g, dtype=jnp.int32)[None, :]
@@ -287,7 +304,8 @@ def run_loop(target_graphdef: nnx.GraphDef, target_state, drafter, params, froze
             out=buf, out_len=out_len, drafted=ls.drafted + ver,
             accepted=ls.accepted + (ver & (pos < n_acc[:, None])),
             reached=ls.reached + (ver & (pos <= n_acc[:, None])),
-            since_draft=jnp.where(drew, 0, ls.since_draft + 1), draws=ls.draws + drew,
+            since_draft=jnp.where(drew, 0, ls.since_draft + 1), explore_gap=gap,
+            draws=ls.draws + drew,
             t=ls.t + 1, finished=ls.finished | jnp.any(done))
 
     return jax.lax.while_loop(cond, body, ls)
@@ -307,7 +325,8 @@ def _update_confidences(ls: LoopState, conf, fresh):
                        prior_seen=ls.prior_seen | any_fresh)
 
 
-def init_loop_state(dev: DeviceState, num_slots: int, gamma: int, out_len: int) -> LoopState:
+def init_loop_state(dev: DeviceState, num_slots: int, gamma: int, out_len: int,
+                    explore_every: int = 16) -> LoopState:
     """A loop state around ``dev`` with nothing active and empty buffers (host fills the rest)."""
     s, g = num_slots, gamma
     zi = jnp.zeros((s,), jnp.int32)
@@ -317,4 +336,5 @@ def init_loop_state(dev: DeviceState, num_slots: int, gamma: int, out_len: int) 
         drafted=jnp.zeros((s, g), jnp.int32), accepted=jnp.zeros((s, g), jnp.int32),
         reached=jnp.zeros((s, g), jnp.int32), conf_hist=jnp.zeros((s, 2, g), jnp.float32), hist_n=zi,
         prior=jnp.full((g,), 0.5, jnp.float32), prior_seen=jnp.bool_(False),
-        since_draft=jnp.int32(0), draws=jnp.int32(0), t=jnp.int32(0), finished=jnp.bool_(False))
+        since_draft=jnp.int32(0), explore_gap=jnp.int32(explore_every), draws=jnp.int32(0),
+        t=jnp.int32(0), finished=jnp.bool_(False))

@@ -22,7 +22,7 @@ token bucket); :meth:`Engine.warmup` compiles all of them, after which a run com
 
 Exactness: a request's verification length depends only on confidences of drafts *before* the
 position being admitted (Algorithm 1 with early stop; the production form's budget comes from
-confidences two steps old), so every policy is lossless (docs/DESIGN.md, "Invariants").
+stale confidences, fixed before the step drafts), so every policy is lossless (docs/DESIGN.md, "Invariants").
 Temperature 0 requests are verified greedily (one-hot p and q: acceptance is exact match).
 """
 from __future__ import annotations
