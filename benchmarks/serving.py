@@ -263,20 +263,26 @@ def main(argv=None):
         prof_engine = Engine(target, drafter, params, frozen, base)
         prof_engine.warmup(profile=True)
         sps = prof_engine.sps
+        # production on the device loop times its own loop program (specjax/engine/loop_profile.py)
+        own = {}
+        if "production" in pols and args.loop == "device":
+            pe = Engine(target, drafter, params, frozen,
+                        EngineConfig(**{**base.__dict__, "scheduler": POLICIES["production"]}))
+            pe.warmup(profile=True)
+            own["production"] = pe.sps
         runs = {p: [] for p in pols}
         for rep in range(args.reps):
             for p in pols:
                 cfg = EngineConfig(**{**base.__dict__, "scheduler": POLICIES[p]})
                 r, _ = run_one(target, drafter, params, frozen, cfg, prompts,
-                               args.max_new_tokens, args.temperature, sps, stop)
+                               args.max_new_tokens, args.temperature, own.get(p, sps), stop)
                 runs[p].append(r)
                 print(f"C={c:3d} {p:13s} rep {rep}: agg {r['aggregate_tok_s']:8.1f} tok/s  "
                       f"user {r['per_user_tok_s']:7.1f}  tau {r['tau']:.2f}  "
                       f"bucket {r['mean_bucket']:.1f}  host {100 * r['host_frac']:.2f}%",
                       flush=True)
         report["closed_loop"][c] = {
-            "sps": {"buckets": list(sps.buckets), "steps_per_s": list(sps.steps_per_s),
-                    "draft_s": sps.draft_s, "plain_s": sps.plain_s, "key": sps.key},
+            "sps": sps.to_dict(), **{f"sps_{p}": v.to_dict() for p, v in own.items()},
             "policies": {p: {k: statistics.median(x[k] for x in rs) for k in rs[0]}
                          for p, rs in runs.items()}}
         if c == args.overlap_at:
@@ -311,18 +317,18 @@ def main(argv=None):
         base = EngineConfig(num_slots=c, max_len=max_len, gamma=gamma,
                             prefill_buckets=(args.prompt_len,), filters=False,
                             loop=args.loop, loop_steps=args.loop_steps)
-        sps = report["closed_loop"][c]["sps"]
         from specjax.scheduling import SPSProfile
-        prof = SPSProfile(tuple(sps["buckets"]), tuple(sps["steps_per_s"]),
-                          sps.get("key", ""), draft_s=sps["draft_s"],
-                          plain_s=sps.get("plain_s", 0.0))
+        block = report["closed_loop"][c]
+        prof = SPSProfile.from_dict(block["sps"])
+        own = {k[4:]: SPSProfile.from_dict(v) for k, v in block.items() if k.startswith("sps_")}
         for rate in rates:
             report["poisson"][rate] = {}
             for p in pols:
                 cfg = EngineConfig(**{**base.__dict__, "scheduler": POLICIES[p]})
                 report["poisson"][rate][p] = poisson(target, drafter, params, frozen, cfg,
                                                      prompts, args.max_new_tokens,
-                                                     args.temperature, rate, prof, stop)
+                                                     args.temperature, rate,
+                                                     own.get(p, prof), stop)
                 print(f"poisson {rate}/s {p}: {report['poisson'][rate][p]}", flush=True)
     report["goals"] = goals(report)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

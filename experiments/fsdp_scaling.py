@@ -4,6 +4,10 @@ replicated"). Compiles for TPU on the CPU (needs libtpu, ``make libtpu``)::
 
     python -m experiments.fsdp_scaling --out experiments/results/tpu/batch_fix/scaling.json
 
+Tiny mode (``--quick``: the constrained ``mtp`` and ``lm`` rows on 4 chips only, about a minute)::
+
+    python -m experiments.fsdp_scaling --quick --out /tmp/scaling_quick.json
+
 Rows (tiny model, 32,768-token vocabulary, 256 tokens per row, FSDP over every chip):
 
 * ``mtp``: the MTP + e2e-TV drafter step of ``experiments/configs/tpu_pod.py``, every position an
@@ -82,17 +86,21 @@ def _row(name: str, topology: str, chips: int, constrained: bool, r) -> dict:
 def main(argv=None) -> list:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="experiments/results/tpu/batch_fix/scaling.json")
+    ap.add_argument("--quick", action="store_true",
+                    help="constrained mtp and lm rows on the smallest topology only")
     args = ap.parse_args(argv)
+    if aot.libtpu_path() is None:
+        raise SystemExit("fsdp_scaling compiles for TPU and needs libtpu: run `make libtpu`")
     rows = []
-    for constrained in (False, True):
-        for topology, chips in TOPOLOGIES:
+    for constrained in ((True,) if args.quick else (False, True)):
+        for topology, chips in (TOPOLOGIES[:1] if args.quick else TOPOLOGIES):
             rows.append(_row("mtp", topology, chips, constrained,
                              compile_step(mtp_config(topology, chips), topology,
                                           constrained=constrained)))
             rows.append(_row("lm", topology, chips, constrained,
                              compile_step(lm_config(chips), topology, constrained=constrained)))
         topology, chips = TOPOLOGIES[0]
-        for remat, chunk in (("none", 0), ("full", 128)):
+        for remat, chunk in (() if args.quick else (("none", 0), ("full", 128))):
             c = lm_config(chips, vocab=151936, seq=1024, rows_per_chip=8, remat=remat,
                           logits_chunk=chunk)
             rows.append(_row(f"remat:{remat}", topology, chips, constrained,

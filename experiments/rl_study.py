@@ -150,7 +150,15 @@ def policy_rows(model, tok, problems, temperature: float, n: int, seq_len: int, 
             "domains": np.array(["math"])}
 
 
+def data_parallel_batch(batch: int, devices: int) -> int:
+    """The smallest multiple of ``devices`` that is ≥ ``batch`` (rows split over every device)."""
+    if batch < 1 or devices < 1:
+        raise ValueError(f"batch and devices must be ≥ 1, got {batch}, {devices}")
+    return -(-batch // devices) * devices
+
+
 def run_adaptation(p, model, tok, target_workdir, workdir) -> list[dict]:
+    import jax
     from experiments.configs import train_drafter
     from specjax.rl import task as T
     from specjax.training.drafter_data import save_rows
@@ -158,6 +166,11 @@ def run_adaptation(p, model, tok, target_workdir, workdir) -> list[dict]:
 
     train, heldout = T.split_problems(p["problem_seed"], p["n_train"], p["n_heldout"])
     seq_len = p["max_prompt_length"] + p["max_new_tokens"]
+    # the drafter's batch is split over every device (data parallel): round it up to a multiple
+    batch = data_parallel_batch(p["drafter_batch"], jax.device_count())
+    if batch != p["drafter_batch"]:
+        print(f"rl_study: drafter batch {p['drafter_batch']} -> {batch} (a multiple of the "
+              f"{jax.device_count()} devices)", flush=True)
     out = []
     for cell in adaptation_cells(p):
         d = os.path.join(workdir, "adapt", cell["name"])
@@ -189,7 +202,7 @@ def run_adaptation(p, model, tok, target_workdir, workdir) -> list[dict]:
         c.task.gamma, c.task.mtp.intermediate_size = cell["gamma"], cell["cap"]
         c.task.target_temperature = cell["temp"]
         c.task.anchors_per_row = 16
-        c.data.seq_len, c.data.batch_size, c.data.eval_batches = seq_len, p["drafter_batch"], -1
+        c.data.seq_len, c.data.batch_size, c.data.eval_batches = seq_len, batch, -1
         c.train.num_steps, c.checkpoint.every = p["drafter_steps"], p["drafter_steps"]
         if c.task.warm_start_loss:
             c.task.switch_step = max(1, p["drafter_steps"] // 2)

@@ -130,11 +130,15 @@ class SPSProfile:
             json.dump(self.to_dict(), f, indent=1)
 
     @classmethod
-    def load(cls, path: str) -> "SPSProfile":
-        with open(path) as f:
-            d = json.load(f)
+    def from_dict(cls, d: dict) -> "SPSProfile":
+        """The inverse of :meth:`to_dict` (``key``, ``draft_s``, ``plain_s`` optional)."""
         return cls(tuple(d["buckets"]), tuple(d["steps_per_s"]), d.get("key", ""),
                    float(d.get("draft_s", 0.0)), float(d.get("plain_s", 0.0)))
+
+    @classmethod
+    def load(cls, path: str) -> "SPSProfile":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
 
     @property
     def plain_sps(self) -> float:

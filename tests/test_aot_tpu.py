@@ -159,3 +159,16 @@ def test_fsdp_keeps_the_batch_split_as_chips_grow():
     small, big = reports[4], reports[16]
     assert big.bytes_accessed <= 1.25 * small.bytes_accessed
     assert big.temp_bytes <= 1.25 * small.temp_bytes + (16 << 20)
+
+
+def test_fsdp_scaling_entry_point_quick(tmp_path):
+    """``python -m experiments.fsdp_scaling --quick`` compiles its rows for TPU and writes them."""
+    import json
+    from experiments.fsdp_scaling import main
+    out = tmp_path / "scaling.json"
+    rows = main(["--quick", "--out", str(out)])
+    assert json.loads(out.read_text()) == rows
+    assert [(r["step"], r["chips"], r["constrained"]) for r in rows] == [("mtp", 4, True),
+                                                                        ("lm", 4, True)]
+    for r in rows:
+        assert r["compiled"] and 0 < r["temp_gib"] < 16 and r["bytes_accessed_gb"] > 0, r

@@ -47,6 +47,7 @@ from specjax.engine.device_loop import slot_keys
 from specjax.engine.host_loop import HostLoopMixin
 from specjax.engine.requests import (CONFIDENCE_POLICIES, EngineConfig, LoopStats, Request, Result,
                                      StepStats, _Live)
+from specjax.engine.loop_profile import production_loop_profile
 from specjax.engine.step_costs import default_context, device_loop_profile
 from specjax.engine.steps import DeviceState, merge_rows, prefill_step, verify_step
 from specjax.models.kv_cache import init_cache
@@ -343,9 +344,16 @@ class Engine(HostLoopMixin, DeviceLoopMixin):
                f"{type(self.drafter).__name__}/S{s}/g{g}/L{self.config.max_len}")
         if self.config.loop == "device":
             self._warmup_device_loop()
-            if profile and policy in ("dspark", "production", "retrospective"):
-                self._set_profile(self._device_loop_profile(
-                    key + f"/device-loop/ctx{default_context(self.config)}"))
+            ctx = default_context(self.config)
+            reps = self.config.profile_reps
+            if profile and policy == "production":
+                self._set_profile(self._cached_profile(
+                    key + f"/production-loop/ctx{ctx}",
+                    lambda k: production_loop_profile(self, reps=reps, key=k)))
+            elif profile and policy in ("dspark", "retrospective"):
+                self._set_profile(self._cached_profile(
+                    key + f"/device-loop/ctx{ctx}",
+                    lambda k: device_loop_profile(self, reps=reps, key=k)))
             return
         draft, dstate = self._draft()
         if self.config.loop == "host" and self.config.overlap:  # admissions under overlap merge pre-dispatched drafter rows
@@ -368,16 +376,17 @@ class Engine(HostLoopMixin, DeviceLoopMixin):
                 cache_path=self.config.sps_cache,
                 run_draft=lambda: jax.block_until_ready(self._draft())))
 
-    def _device_loop_profile(self, key: str) -> scheduling.SPSProfile:
-        """The device loop's SPS profile: steps timed inside device loops
-        (:func:`~specjax.engine.step_costs.device_loop_profile`), or the one saved at
-        ``config.sps_cache`` under the same key."""
+    def _cached_profile(self, key: str, measure) -> scheduling.SPSProfile:
+        """The device loop's SPS profile: ``measure(key)`` (production: its own loop timed,
+        :func:`~specjax.engine.loop_profile.production_loop_profile`; Algorithm 1: steps timed
+        inside device loops, :func:`~specjax.engine.step_costs.device_loop_profile`), or the one
+        saved at ``config.sps_cache`` under the same key."""
         path = self.config.sps_cache
         if path and os.path.exists(path):
             saved = scheduling.SPSProfile.load(path)
             if saved.key == key and list(saved.buckets) == self.buckets:
                 return saved
-        prof = device_loop_profile(self, reps=self.config.profile_reps, key=key)
+        prof = measure(key)
         if path:
             prof.save(path)
         return prof
