@@ -262,7 +262,9 @@ def run_loop(target_graphdef: nnx.GraphDef, target_state, drafter, params, froze
             voluntary = budget > 0
             explore = ~voluntary & (spec.explore_every > 0) & \
                 (ls.since_draft + 1 >= ls.explore_gap)
-            budget = jnp.where(explore, dp.budget_search(stale, sps, cap, active), budget)
+            # an exploring step drafts whatever the plain step's rate: the best budget > 0
+            budget = jnp.where(explore, dp.budget_search(stale, sps, cap, active, sps_draft,
+                                                         jnp.float32(1e-30)), budget)
             drew = budget > 0
             gap = jnp.where(voluntary, spec.explore_every,
                             jnp.where(drew, jnp.minimum(2 * ls.explore_gap,
