@@ -4,8 +4,9 @@ The production policy chooses, per step, between a plain decode step and a draft
 verification fills a token bucket, by comparing tokens per second of each. The piece timings of
 :mod:`specjax.engine.step_costs` (a draft, a verification, a plain step, each alone in a loop)
 leave out what the loop adds around them (the policy, emitting tokens, the confidence history,
-the conditional steps), and on a small model that is a large share of a step: on the 2-core CPU a
-drafting step of the loop cost about 1.8x its pieces' sum, a plain step about 1.3x.
+the conditional steps), and on a small model that is a large share of a step: in the serving
+benchmark on the 2-core CPU (docs/SERVING.md) a drafting step of the loop cost 1.0-2.0x its
+pieces' sum (median 1.5x), a plain step 1.0-1.9x the timed plain step (median 1.6x).
 
 So the production engine times its own loop program: the budget search reads its SPS tables as
 inputs, and tables that make exactly one choice win force the loop into that choice, with no new
