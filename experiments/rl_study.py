@@ -185,7 +185,8 @@ def run_adaptation(p, model, tok, target_workdir, workdir) -> list[dict]:
             if not os.path.exists(path):
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 rows = policy_rows(model, tok, probs, cell["temp"],
-                                   p["n_rows"] if split == "train" else max(4, p["n_rows"] // 4),
+                                   max(p["n_rows"], batch) if split == "train"
+                                   else max(4, p["n_rows"] // 4),
                                    seq_len, seed=1 if split == "train" else 2)
                 save_rows(path, rows)
             files[split] = path
