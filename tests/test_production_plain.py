@@ -182,7 +182,7 @@ def test_profiled_steps_are_not_folded_or_dead_code(target):
         c = compiled.cost_analysis()
         return float((c[0] if isinstance(c, (list, tuple)) else c).get("flops", 0.0))
 
-    for name in ("draft", "plain", f"verify/{eng.buckets[0]}", f"verify/{eng.buckets[-1]}"):
+    for name in ("draft", "plain", f"verify/{eng.buckets[-1]}"):
         fn = fns[name]
         alone = flops(jax.jit(lambda c, fn=fn: fn(0, c)).lower(carries[name]).compile())
         looped = flops(loop_program(fn, 4).lower(carries[name]).compile())

@@ -102,7 +102,10 @@ def production_loop_profile(eng, *, reps: int = 3, key: str = "") -> scheduling.
         table = zeros.copy()
         table[b] = 1.0  # only a budget that fills bucket b scores above "no draft"
         rates.append(1.0 / timed(rows, table, _TINY, n))
-    eng.state = eng.state._replace(cache=eng.state.cache.rollback(np.zeros(s, np.int32)))
+    # committed to the engine's device like every other state array (an uncommitted one would
+    # make the next prefill compile again)
+    eng.state = eng.state._replace(
+        cache=eng.state.cache.rollback(eng._put(np.zeros(s, np.int32))))
     eng._carry = None
     return scheduling.SPSProfile(tuple(buckets), tuple(rates), key, draft_s=0.0,
                                  plain_s=plain_s)
