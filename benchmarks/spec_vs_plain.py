@@ -94,7 +94,8 @@ def _step_costs(eng, reps: int, context: int, temperature: float, n: int = 64) -
     from flax import nnx
     from specjax.drafters.base import Sampling
     from specjax.engine.step_costs import loop_time
-    from specjax.engine.steps import sample_rows, verify_finish, verify_forward
+    from specjax.engine.device_loop import bucketed_verify
+    from specjax.engine.steps import sample_rows
     from specjax.sampling import all_greedy
     s, g = eng.config.num_slots, eng.config.gamma
     k = min(eng.config.scheduler.k, g)
@@ -116,14 +117,10 @@ def _step_costs(eng, reps: int, context: int, temperature: float, n: int = 64) -
     def verify(i, st):
         # as in the device loop: the forward in a switch over the token buckets (a forward that
         # only reads the cache, outside a conditional, makes XLA:CPU copy the cache to write it)
-        n_tok = jnp.sum(nd + 1 + 0 * st.anchor)
-        idx = jnp.searchsorted(jnp.asarray(eng.buckets, jnp.int32), n_tok)
-        branches = [lambda st, b=b: verify_forward(
-            eng.graphdef, eng.target_state, d, st, drafts.tokens, nd, bucket=b, gamma=g,
-            write=False, pad_to=eng.buckets[-1]) for b in eng.buckets]
-        fwd = jax.lax.switch(jnp.minimum(idx, len(eng.buckets) - 1), branches, st)
-        st2, _ = verify_finish(d, p, f, st, fwd, drafts.tokens, drafts.probs, nd, keys, sampling,
-                               method=eng.config.method, verify_impl=eng.verify_impl)
+        ell = nd + 0 * st.anchor  # read from the state: a bucket index XLA cannot fold
+        st2, _ = bucketed_verify(eng.graphdef, eng.target_state, d, p, f, st, drafts.tokens,
+                                 drafts.probs, ell, keys, sampling, buckets=tuple(eng.buckets),
+                                 gamma=g, method=eng.config.method, verify_impl=eng.verify_impl)
         return st2._replace(cache=st2.cache.rollback(lengths), drafter_state=st.drafter_state)
 
     def plain(i, st):

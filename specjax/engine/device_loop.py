@@ -198,22 +198,33 @@ def _speculative_step(spec: LoopSpec, target_graphdef, target_state, drafter, pa
     out: DraftOutput
     conf = out.confidences if out.confidences is not None else jnp.ones((cap.shape[0], g))
     ell = _choose(spec, conf, cap, active, sps, budget)
-    n_tok = jnp.sum(jnp.where(ell >= 0, ell + 1, 0))
-    b_idx = jnp.minimum(jnp.searchsorted(buckets, n_tok, side="left"), len(spec.buckets) - 1)
     dev = DeviceState(dev.cache, dstate, dev.anchor)
+    dev, res = bucketed_verify(target_graphdef, target_state, drafter, params, frozen, dev,
+                               out.tokens, out.probs, ell, keys, sampling, buckets=spec.buckets,
+                               gamma=g, method=spec.method, verify_impl=spec.verify_impl)
+    return dev, res.tokens, res.num_accepted, ell, conf.astype(jnp.float32)
+
+
+def bucketed_verify(target_graphdef, target_state, drafter, params, frozen, dev: DeviceState,
+                    tokens, probs, ell, keys, sampling, *, buckets: tuple, gamma: int,
+                    method: str, verify_impl: str):
+    """Verification of ``ell`` drafts per slot (−1 idle) in the smallest token bucket holding
+    Σ(ℓ + 1) tokens, as the device loop runs it. Returns ``(DeviceState, VerifyOutput)``."""
+    n_tok = jnp.sum(jnp.where(ell >= 0, ell + 1, 0))
+    b_idx = jnp.minimum(jnp.searchsorted(jnp.asarray(buckets, jnp.int32), n_tok, side="left"),
+                        len(buckets) - 1)
 
     # Only the target forward runs in the bucket branches; it reads the cache, and the
     # new keys/values are written after the switch (verify_forward says why).
     def branch(bucket):
         def run(dev):
-            return verify_forward(target_graphdef, target_state, drafter, dev, out.tokens, ell,
-                                  bucket=bucket, gamma=g, write=False, pad_to=spec.buckets[-1])
+            return verify_forward(target_graphdef, target_state, drafter, dev, tokens, ell,
+                                  bucket=bucket, gamma=gamma, write=False, pad_to=buckets[-1])
         return run
 
-    fwd = jax.lax.switch(b_idx, [branch(b) for b in spec.buckets], dev)
-    dev, res = verify_finish(drafter, params, frozen, dev, fwd, out.tokens, out.probs, ell, keys,
-                             sampling, method=spec.method, verify_impl=spec.verify_impl)
-    return dev, res.tokens, res.num_accepted, ell, conf.astype(jnp.float32)
+    fwd = jax.lax.switch(b_idx, [branch(b) for b in buckets], dev)
+    return verify_finish(drafter, params, frozen, dev, fwd, tokens, probs, ell, keys, sampling,
+                         method=method, verify_impl=verify_impl)
 
 
 @functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "spec"),

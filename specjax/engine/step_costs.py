@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax import scheduling
-from specjax.engine.device_loop import LoopSpec, _plain_step, init_loop_state
-from specjax.engine.steps import DeviceState, verify_finish, verify_forward
+from specjax.engine.device_loop import LoopSpec, _plain_step, bucketed_verify, init_loop_state
+from specjax.engine.steps import DeviceState
 
 
 def median_seconds(fn: Callable[[], object], reps: int) -> float:
@@ -81,9 +81,10 @@ def bucket_draft_lengths(num_slots: int, gamma: int, bucket: int) -> jax.Array:
 
 
 def profile_steps(eng, context: int) -> tuple[dict, tuple]:
-    """The device loop's steps as ``fn(i, carry) -> carry``, each with ``carry = (state, aux)``.
+    """The device loop's steps as ``fn(i, carry) -> carry``, each with ``carry = (state, aux)``
+    (:class:`ProfileAux`).
 
-    Returns ``({name: fn}, carry)`` with names ``"verify/<bucket>"`` (the bucket's forward in the
+    Returns ``({name: fn}, {name: carry})`` with names ``"verify/<bucket>"`` (the bucket's forward in the
     loop's switch over buckets, the verifier and the commits, for slots whose ℓ fill the bucket),
     ``"draft"`` (one drafting call of every slot) and ``"plain"`` (production's non-drafting step:
     target forward, sampling, drafter commit). Every slot's cache holds ``context`` positions; the
@@ -104,16 +105,9 @@ def profile_steps(eng, context: int) -> tuple[dict, tuple]:
     def verify(i, carry):
         st, ax = carry
         ts, p, f = ax.weights
-        # as in the device loop: the forward in a switch over the token buckets
-        n_tok = jnp.sum(ax.num_draft + 1)
-        idx = jnp.minimum(jnp.searchsorted(jnp.asarray(buckets, jnp.int32), n_tok),
-                          len(buckets) - 1)
-        branches = [lambda st, b=b: verify_forward(
-            eng.graphdef, ts, d, st, ax.tokens, ax.num_draft, bucket=b, gamma=g,
-            write=False, pad_to=buckets[-1]) for b in buckets]
-        fwd = jax.lax.switch(idx, branches, st)
-        st2, _ = verify_finish(d, p, f, st, fwd, ax.tokens, ax.probs, ax.num_draft, ax.keys,
-                               ax.sampling, method=eng.config.method, verify_impl=eng.verify_impl)
+        st2, _ = bucketed_verify(eng.graphdef, ts, d, p, f, st, ax.tokens, ax.probs,
+                                 ax.num_draft, ax.keys, ax.sampling, buckets=buckets, gamma=g,
+                                 method=eng.config.method, verify_impl=eng.verify_impl)
         return st2._replace(cache=st2.cache.rollback(ax.lengths)), ax
 
     def draft(i, carry):
