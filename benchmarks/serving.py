@@ -46,6 +46,23 @@ POLICIES = {
     "dspark": SchedulerConfig("dspark"),
     "production": SchedulerConfig("production"),
 }
+# "<policy>+cal": the policy reading confidences calibrated online on the verifier's past
+# decisions (EngineConfig.online_calibration; device loop only).
+CALIBRATED = ("dspark+cal", "production+cal")
+
+
+def policy_config(base: EngineConfig, name: str, **overrides) -> EngineConfig:
+    """``base`` with the scheduler (and calibration) of policy ``name`` (POLICIES or CALIBRATED)."""
+    cal = name.endswith("+cal")
+    sched = POLICIES[name[:-len("+cal")] if cal else name]
+    return EngineConfig(**{**base.__dict__, "scheduler": sched, "online_calibration": cal,
+                           **overrides})
+
+
+def _profile_owner(name: str) -> str:
+    """Whose self-timed profile a policy uses: production+cal runs production's loop program
+    plus O(S·γ) calibration work per step, so it reuses production's profile."""
+    return name[:-len("+cal")] if name.endswith("+cal") else name
 
 
 def load_models(args):
@@ -114,6 +131,12 @@ def summarize(results, wall: float, engine: Engine) -> dict:
         calls = engine.loop_stats
         slot_steps = sum(r.steps for r in results)
         n_steps = sum(c.steps for c in calls)
+        if engine.config.online_calibration and engine._carry is not None:
+            # the per-position ratios ρ_k the calibration ended the run with (1 = the raw
+            # confidences were already calibrated; specjax/engine/online_calibration.py)
+            from specjax.engine import online_calibration as oc
+            base["calibration_rho"] = np.asarray(
+                oc.ratios(engine._carry.cal_acc, engine._carry.cal_pred)).tolist()
         return {**base,
                 "tau": (toks - len(results)) / max(1, slot_steps),
                 "steps": n_steps,
@@ -141,6 +164,13 @@ def summarize(results, wall: float, engine: Engine) -> dict:
         "drafted_frac": float(np.mean([s.drafted for s in steps])) if steps else 0.0,
         "steps": len(steps),
     }
+
+
+def _median(values: list):
+    """Median of numbers, or element-wise median of equal-length lists."""
+    if isinstance(values[0], list):
+        return [statistics.median(v) for v in zip(*values)]
+    return statistics.median(values)
 
 
 def run_one(target, drafter, params, frozen, cfg: EngineConfig, prompts, max_new: int,
@@ -201,7 +231,8 @@ def main(argv=None):
     ap.add_argument("--preset", default="small")
     ap.add_argument("--gamma", type=int, default=7)
     ap.add_argument("--concurrency", default="1,2,4,8,16,32")
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help=f"comma-separated, from {', '.join((*POLICIES, *CALIBRATED))}")
     ap.add_argument("--requests-per-slot", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=48)
@@ -243,7 +274,7 @@ def main(argv=None):
         # bucket) runs there too.
         args.preset, args.concurrency, args.reps = "tiny", "2", 1
         args.max_new_tokens, args.requests_per_slot, args.prompt_len = 8, 2, 16
-        args.policies = "none,mtp1,fixed2,dspark,production"
+        args.policies = "none,fixed2,dspark,production,production+cal"  # (mtp1: fixed K = 1)
         args.gamma, args.overlap_at = 3, 2
     target, drafter, params, frozen, gamma = load_models(args)
     vocab = frozen.vocab_size
@@ -266,12 +297,15 @@ def main(argv=None):
         # production on the device loop times its own loop program (specjax/engine/loop_profile.py):
         # its first run profiles, the later ones reuse that profile
         self_profiled = {"production"} if args.loop == "device" else set()
+        if "production+cal" in pols and "production" not in pols:
+            raise SystemExit("production+cal reuses production's profile: list production first")
         own = {}
         runs = {p: [] for p in pols}
         for rep in range(args.reps):
             for p in pols:
-                cfg = EngineConfig(**{**base.__dict__, "scheduler": POLICIES[p]})
-                prof = own.get(p) if p in self_profiled else sps
+                cfg = policy_config(base, p)
+                owner = _profile_owner(p)
+                prof = own.get(owner) if owner in self_profiled else sps
                 r, eng = run_one(target, drafter, params, frozen, cfg, prompts,
                                  args.max_new_tokens, args.temperature, prof, stop)
                 if p in self_profiled:
@@ -283,18 +317,17 @@ def main(argv=None):
                       flush=True)
         report["closed_loop"][c] = {
             "sps": sps.to_dict(), **{f"sps_{p}": v.to_dict() for p, v in own.items()},
-            "policies": {p: {k: statistics.median(x[k] for x in rs) for k in rs[0]}
+            "policies": {p: {k: _median([x[k] for x in rs]) for k in rs[0]}
                          for p, rs in runs.items()}}
         if c == args.overlap_at:
             ratios = []
             # a policy that drafts (overlap hides host work behind drafting)
             ov_pol = next((p for p in ("dspark", "production", *pols) if p in pols
-                           and p != "none"), pols[0])
+                           and p != "none" and p not in CALIBRATED), pols[0])
             for rep in range(args.reps):
                 res = {}
                 for ov in (False, True):
-                    cfg = EngineConfig(**{**base.__dict__, "scheduler": POLICIES[ov_pol],
-                                          "overlap": ov, "loop": "host"})
+                    cfg = policy_config(base, ov_pol, overlap=ov, loop="host")
                     res[ov] = run_one(target, drafter, params, frozen, cfg, prompts,
                                       args.max_new_tokens, args.temperature, sps, stop)[0]
                 ratios.append(res[True]["aggregate_tok_s"] / res[False]["aggregate_tok_s"])
@@ -324,11 +357,11 @@ def main(argv=None):
         for rate in rates:
             report["poisson"][rate] = {}
             for p in pols:
-                cfg = EngineConfig(**{**base.__dict__, "scheduler": POLICIES[p]})
+                cfg = policy_config(base, p)
                 report["poisson"][rate][p] = poisson(target, drafter, params, frozen, cfg,
                                                      prompts, args.max_new_tokens,
                                                      args.temperature, rate,
-                                                     own.get(p, prof), stop)
+                                                     own.get(_profile_owner(p), prof), stop)
                 print(f"poisson {rate}/s {p}: {report['poisson'][rate][p]}", flush=True)
     report["goals"] = goals(report)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -380,7 +413,7 @@ def write_markdown(report: dict, path: str, argv) -> None:
         f.write("\n".join(lines))
 
 
-def goals(report: dict, policies=("dspark", "production")) -> dict:
+def goals(report: dict, policies=("dspark", "production", *CALIBRATED)) -> dict:
     """The serving goals per confidence policy, from the closed-loop medians (no thresholds here).
 
     * ``vs_best_fixed[C]``: the policy's aggregate / the best fixed-K (fixed*, mtp1) aggregate.

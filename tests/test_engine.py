@@ -14,6 +14,7 @@ from specjax.drafters import (DraftLMDrafter, DraftOutput, DSparkConfig, DSparkD
                               MTPConfig, MTPDrafter, NGramDrafter, dflash_config, shared_head)
 from specjax.drafters.base import draw
 from specjax.engine import Engine, EngineConfig, Request
+from specjax.engine import online_calibration as oc
 from specjax.models import ModelConfig, init_model
 from specjax.models.config import ModelConfig as _MC
 from specjax.models.generate import generate
@@ -191,23 +192,26 @@ def _chi2(counts, probs):
     return float(np.sum((c - e) ** 2 / e)), len(c) - 1
 
 
-@pytest.mark.parametrize("policy,draft_s,loop", [("dspark", 0.0, "device"),
-                                                 ("production", 0.0, "device"),
-                                                 ("production", 0.4, "device"),
-                                                 ("dspark", 0.0, "host"),
-                                                 ("production", 0.4, "host")])
-def test_temperature1_engine_with_scheduler_is_lossless(target, policy, draft_s, loop):
+@pytest.mark.parametrize("policy,draft_s,loop,calibrate", [("dspark", 0.0, "device", False),
+                                                           ("dspark", 0.0, "device", True),
+                                                           ("production", 0.4, "device", False),
+                                                           ("production", 0.4, "device", True),
+                                                           ("dspark", 0.0, "host", False),
+                                                           ("production", 0.4, "host", False)])
+def test_temperature1_engine_with_scheduler_is_lossless(target, policy, draft_s, loop, calibrate):
     """Many seeds of one prompt share 4 slots and compete for the verification budget.
 
     Buckets 4 / 8 / 16 with SPS 1.0 / 0.9 / 0.5: a full batch of 4 anchors can add at most 4 of
     its 12 drafts (the cliff to 16 never pays), so requests' drafts are admitted by rank against
     each other, and crossing into bucket 8 needs a confident first draft. With a drafting cost
     (``draft_s``) the production budget is sometimes 0 and those steps skip drafting entirely:
-    whether a step drafts at all is decided from stale confidences too.
+    whether a step drafts at all is decided from stale confidences too. ``calibrate``: the
+    policies read confidences calibrated online on the verifier's past decisions.
     """
     d, p, f = _drafter("dspark", target)
     cfg = EngineConfig(num_slots=4, max_len=24, gamma=3, prefill_buckets=(8,),
-                       scheduler=SchedulerConfig(policy), overlap=True, filters=False, loop=loop)
+                       scheduler=SchedulerConfig(policy), overlap=True, filters=False, loop=loop,
+                       online_calibration=calibrate)
     engine = Engine(target, d, p, f, cfg)
     engine.warmup(profile=False)
     assert engine.buckets == [4, 8, 16]
@@ -228,6 +232,9 @@ def test_temperature1_engine_with_scheduler_is_lossless(target, policy, draft_s,
         # never more than explore_every - 1 steps in a row without drafting
         gaps = np.diff(np.flatnonzero(drafted))
         assert gaps.max() <= cfg.scheduler.explore_every, gaps.max()
+    if calibrate:  # the calibration saw verified drafts and moved the confidences
+        rho = np.asarray(oc.ratios(engine._carry.cal_acc, engine._carry.cal_pred))
+        assert float(np.sum(engine._carry.cal_pred)) > 10 and np.all(np.abs(rho - 1) > 1e-3), rho
     joint12, marg3 = _exact_first_tokens(target, prompt)
     c12 = np.zeros((V, V))
     np.add.at(c12, (toks[:, 0], toks[:, 1]), 1)

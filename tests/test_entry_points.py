@@ -135,8 +135,8 @@ def test_training_bench_cli(tmp_path):
     ("benchmarks.verify_throughput", ["--reps", 1],
      lambda r: r["reps"] == 1 and [x["B"] for x in r["results"]] == [1, 64]),
     ("benchmarks.serving", [], lambda r: set(r["closed_loop"]) == {"2"}
-     and set(r["closed_loop"]["2"]["policies"]) == {"none", "mtp1", "fixed2", "dspark",
-                                                    "production"}
+     and set(r["closed_loop"]["2"]["policies"]) == {"none", "fixed2", "dspark", "production",
+                                                    "production+cal"}
      and r["overlap"]["concurrency"] == 2 and r["overlap"]["policy"] == "dspark"),
 ])
 def test_benchmark_quick(module, extra, check, tmp_path):

@@ -34,7 +34,7 @@ class DeviceLoopMixin:
         return LoopSpec(policy=sch.policy, gamma=cfg.gamma, buckets=tuple(self.buckets),
                         method=cfg.method, max_steps=cfg.loop_steps, k=sch.k,
                         threshold=sch.threshold, explore_every=sch.explore_every,
-                        verify_impl=self.verify_impl)
+                        verify_impl=self.verify_impl, calibrate=cfg.online_calibration)
 
     def _put(self, x):
         return jax.device_put(x, self._device)
@@ -71,7 +71,8 @@ class DeviceLoopMixin:
             drafted=np.zeros((s, g), np.int32), accepted=np.zeros((s, g), np.int32),
             reached=np.zeros((s, g), np.int32),
             conf_hist=carry.conf_hist, hist_n=hist_n.astype(np.int32), prior=carry.prior,
-            prior_seen=carry.prior_seen, since_draft=carry.since_draft,
+            prior_seen=carry.prior_seen, cal_acc=carry.cal_acc, cal_pred=carry.cal_pred,
+            since_draft=carry.since_draft,
             explore_gap=carry.explore_gap, draws=carry.draws,
             t=np.int32(0), finished=np.bool_(False))
         return self._put(ls), self._put((seeds, stops, np.bool_(stop_on_finish)))

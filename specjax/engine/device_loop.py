@@ -36,6 +36,7 @@ from flax import nnx
 
 from specjax.drafters.base import DraftOutput, Observation, Sampling
 from specjax.engine import device_policies as dp
+from specjax.engine import online_calibration as oc
 from specjax.engine.steps import DeviceState, sample_rows, verify_finish, verify_forward
 from specjax.sampling import all_greedy
 
@@ -52,7 +53,8 @@ class LoopSpec:
     policy / k / threshold / explore_every: as :class:`~specjax.scheduling.SchedulerConfig`.
     gamma: drafts per step. buckets: verification token buckets (ascending). method: "rejection"
     or "target_only". max_steps: steps per call (the output buffer holds
-    ``max_steps · (γ + 1)`` tokens per slot). verify_impl: "jnp" or "pallas".
+    ``max_steps · (γ + 1)`` tokens per slot). verify_impl: "jnp" or "pallas". calibrate: the
+    confidence policies read online-calibrated confidences (:mod:`.online_calibration`).
     """
 
     policy: str
@@ -64,6 +66,7 @@ class LoopSpec:
     threshold: float = 0.5
     explore_every: int = 16
     verify_impl: str = "jnp"
+    calibrate: bool = False
 
     @property
     def out_len(self) -> int:
@@ -85,6 +88,8 @@ class LoopState(NamedTuple):
       hist_n: int32 ``[S]`` how many it has (production).
     prior: f32 ``[γ]`` running mean of confidences (production: stands in for new requests);
       prior_seen: bool scalar, the prior was set from real confidences.
+    cal_acc, cal_pred: f32 ``[γ]`` decayed acceptances and raw confidences of the verified drafts
+      that reached each position (online calibration; :mod:`.online_calibration`).
     since_draft: int32 scalar, steps since the last drafting step (production's exploration).
     explore_gap: int32 scalar, steps without drafting after which production drafts anyway: starts
       at ``spec.explore_every``, doubles after each such exploring step (up to
@@ -106,6 +111,8 @@ class LoopState(NamedTuple):
     hist_n: jax.Array
     prior: jax.Array
     prior_seen: jax.Array
+    cal_acc: jax.Array
+    cal_pred: jax.Array
     since_draft: jax.Array
     explore_gap: jax.Array
     draws: jax.Array
@@ -188,7 +195,7 @@ def _run_if(pred, fn, operand):
 def _speculative_step(spec: LoopSpec, target_graphdef, target_state, drafter, params, frozen,
                       dev: DeviceState, ls: LoopState, sampling, keys, key, budget, sps, cap):
     """Draft, choose ℓ, verify in the token bucket, commit. Returns ``(DeviceState, tokens
-    int32 [S, γ+1], num_accepted int32 [S], ℓ int32 [S], confidences f32 [S, γ])``."""
+    int32 [S, γ+1], num_accepted int32 [S], ℓ int32 [S], raw confidences f32 [S, γ])``."""
     g = spec.gamma
     active = ls.active
     buckets = jnp.asarray(spec.buckets, jnp.int32)
@@ -197,12 +204,19 @@ def _speculative_step(spec: LoopSpec, target_graphdef, target_state, drafter, pa
                                   sampling=sampling, argmax=spec.method == "target_only")
     out: DraftOutput
     conf = out.confidences if out.confidences is not None else jnp.ones((cap.shape[0], g))
-    ell = _choose(spec, conf, cap, active, sps, budget)
+    ell = _choose(spec, _calibrated(spec, ls, conf), cap, active, sps, budget)
     dev = DeviceState(dev.cache, dstate, dev.anchor)
     dev, res = bucketed_verify(target_graphdef, target_state, drafter, params, frozen, dev,
                                out.tokens, out.probs, ell, keys, sampling, buckets=spec.buckets,
                                gamma=g, method=spec.method, verify_impl=spec.verify_impl)
     return dev, res.tokens, res.num_accepted, ell, conf.astype(jnp.float32)
+
+
+def _calibrated(spec: LoopSpec, ls: LoopState, conf):
+    """The confidences the policy reads: online-calibrated when ``spec.calibrate``."""
+    if not spec.calibrate:
+        return conf
+    return oc.calibrate(conf, oc.ratios(ls.cal_acc, ls.cal_pred))
 
 
 def bucketed_verify(target_graphdef, target_state, drafter, params, frozen, dev: DeviceState,
@@ -269,6 +283,7 @@ def run_loop(target_graphdef: nnx.GraphDef, target_state, drafter, params, froze
             # steps old); no budget -> a plain step (no draft).
             cap = jnp.clip(jnp.minimum(g, ls.remaining - 1), 0, g)
             stale = jnp.where((ls.hist_n >= 1)[:, None], ls.conf_hist[:, 1], ls.prior[None])
+            stale = _calibrated(spec, ls, stale)
             budget = dp.budget_search(stale, sps, cap, active, sps_draft, sps_plain)
             voluntary = budget > 0
             explore = ~voluntary & (spec.explore_every > 0) & \
@@ -303,11 +318,15 @@ def run_loop(target_graphdef: nnx.GraphDef, target_state, drafter, params, froze
             ls = _update_confidences(ls, conf, active & drew)
         else:
             cap = jnp.clip(jnp.minimum(g, ls.remaining - 1), 0, g)
-            dev, tokens, n_acc, ell, _ = _speculative_step(
+            dev, tokens, n_acc, ell, conf = _speculative_step(
                 spec, target_graphdef, target_state, drafter, params, frozen, dev, ls, sampling,
                 keys, key, jnp.int32(0), sps, cap)
             drew = jnp.bool_(True)
             gap = ls.explore_gap
+        cal_acc, cal_pred = ls.cal_acc, ls.cal_pred
+        if spec.calibrate and spec.policy != "none":
+            cal_acc, cal_pred = oc.update(cal_acc, cal_pred, conf, jnp.where(active, ell, -1),
+                                          n_acc, drew)
         n_tok = jnp.where(active, n_acc + 1, 0)
         new_active, remaining, buf, out_len, done = _emit(ls, tokens, n_tok, stop_tokens, spec)
         pos = jnp.arange(g, dtype=jnp.int32)[None, :]
@@ -317,6 +336,7 @@ def run_loop(target_graphdef: nnx.GraphDef, target_state, drafter, params, froze
             out=buf, out_len=out_len, drafted=ls.drafted + ver,
             accepted=ls.accepted + (ver & (pos < n_acc[:, None])),
             reached=ls.reached + (ver & (pos <= n_acc[:, None])),
+            cal_acc=cal_acc, cal_pred=cal_pred,
             since_draft=jnp.where(drew, 0, ls.since_draft + 1), explore_gap=gap,
             draws=ls.draws + drew,
             t=ls.t + 1, finished=ls.finished | jnp.any(done))
@@ -349,5 +369,6 @@ def init_loop_state(dev: DeviceState, num_slots: int, gamma: int, out_len: int,
         drafted=jnp.zeros((s, g), jnp.int32), accepted=jnp.zeros((s, g), jnp.int32),
         reached=jnp.zeros((s, g), jnp.int32), conf_hist=jnp.zeros((s, 2, g), jnp.float32), hist_n=zi,
         prior=jnp.full((g,), 0.5, jnp.float32), prior_seen=jnp.bool_(False),
+        cal_acc=jnp.zeros((g,), jnp.float32), cal_pred=jnp.zeros((g,), jnp.float32),
         since_draft=jnp.int32(0), explore_gap=jnp.int32(explore_every), draws=jnp.int32(0),
         t=jnp.int32(0), finished=jnp.bool_(False))

@@ -87,6 +87,9 @@ class EngineConfig:
     loop_steps: device loop: steps per call before the host streams the tokens out.
     verify_impl: rejection sampler: "auto" (the Pallas kernel on TPU / GPU, jnp on CPU), "jnp"
     or "pallas" (:func:`specjax.verify.resolve_impl`).
+    online_calibration: the confidence policies (threshold, dspark, production, retrospective)
+    read the drafter's confidences calibrated on the verifier's past decisions
+    (:mod:`specjax.engine.online_calibration`); device loop only.
     """
 
     num_slots: int = 8
@@ -105,6 +108,7 @@ class EngineConfig:
     loop: str = "device"
     loop_steps: int = 16
     verify_impl: str = "auto"
+    online_calibration: bool = False
 
     def __post_init__(self):
         if self.loop not in ("device", "host"):
@@ -112,6 +116,13 @@ class EngineConfig:
         if self.verify_impl not in ("auto", "jnp", "pallas"):
             raise ValueError(f"EngineConfig.verify_impl must be 'auto', 'jnp' or 'pallas', "
                              f"got {self.verify_impl!r}")
+        if self.online_calibration and self.loop != "device":
+            raise ValueError("EngineConfig.online_calibration runs in the device loop only "
+                             "(loop='device')")
+        if self.online_calibration and self.scheduler.policy not in CONFIDENCE_POLICIES:
+            raise ValueError(f"EngineConfig.online_calibration calibrates confidences, which "
+                             f"policy {self.scheduler.policy!r} does not read; use one of "
+                             f"{CONFIDENCE_POLICIES}")
         if self.loop_steps < 1:
             raise ValueError(f"EngineConfig.loop_steps must be ≥ 1, got {self.loop_steps}")
         if self.num_slots < 1:
