@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 import pytest
-from _shared_once import build_once
+from _shared_once import build_once, compile_cache
 from _tiny_runs import hermetic_env, run_module, tiny_runs  # noqa: F401  (session fixture)
 
 from specjax.training import tensorboard as tb
@@ -139,10 +139,12 @@ def test_training_bench_cli(tmp_path):
                                                     "production+cal"}
      and r["overlap"]["concurrency"] == 2 and r["overlap"]["policy"] == "dspark"),
 ])
-def test_benchmark_quick(module, extra, check, tmp_path):
+def test_benchmark_quick(module, extra, check, tmp_path, tmp_path_factory):
     out = tmp_path / "out.json"
     args = ["--quick", "--out", out] + extra
     if module == "benchmarks.serving":
         args += ["--md", tmp_path / "serving.md"]
-    run_module(hermetic_env(tmp_path), module, *args)
+    # JAX's persistent compilation cache: a benchmark builds fresh engines whose programs repeat
+    # (prefill, the host loop's steps for overlap on and off), which then load instead of compile
+    run_module(hermetic_env(tmp_path, compile_cache(tmp_path_factory)), module, *args)
     assert check(json.load(open(out)))
