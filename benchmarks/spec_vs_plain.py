@@ -88,51 +88,41 @@ def _step_costs(eng, reps: int, context: int, temperature: float, n: int = 64) -
     """The pieces of a speculative step and a plain decode step, each timed inside a device loop
     at a fixed context of ``context`` positions per slot and every slot at ``temperature``: the
     draft step, the verification of a full fixed-K batch (its bucket's read-only forward, then
-    rejection sampling and the commits, as the device loop runs them) and one plain decode step
-    (the target forward and the same sampling as the engine's plain step)."""
+    rejection sampling and the target and drafter commits, as the device loop runs them) and one
+    plain decode step (the target forward and the same sampling as the engine's plain step).
+
+    The draft and verification steps are the engine's profiled steps
+    (:func:`specjax.engine.step_costs.profile_steps`): weights, drafts, lengths and sampling travel
+    in the loop's carry, so XLA can neither fold them as constants nor drop a commit whose result
+    is unused (``tests/test_production_plain.py`` checks those programs' flops)."""
     import jax.numpy as jnp
     from flax import nnx
-    from specjax.drafters.base import Sampling
-    from specjax.engine.step_costs import loop_time
-    from specjax.engine.device_loop import bucketed_verify
+    from specjax.engine.step_costs import loop_time, profile_steps
     from specjax.engine.steps import sample_rows
     from specjax.sampling import all_greedy
     s, g = eng.config.num_slots, eng.config.gamma
     k = min(eng.config.scheduler.k, g)
-    sampling = Sampling(temperature=jnp.full((s,), temperature, jnp.float32))
-    keys = eng._slot_keys(2)
-    nd = jnp.full((s,), k, jnp.int32)
     bucket = next(b for b in eng.buckets if b >= s * (k + 1))
-    lengths = jnp.full((s,), context, jnp.int32)
-    state = eng.state._replace(cache=eng.state.cache.rollback(lengths))
-    d, p, f, key = eng.drafter, eng.params, eng.frozen, eng._next_key()
-    drafts, _ = jax.jit(lambda st: d.propose(p, f, st.drafter_state, key, gamma=g,
-                                             sampling=sampling))(state)
+    fns, carries = profile_steps(eng, context)
+    sampling = eng._sampling()._replace(temperature=jnp.full((s,), temperature, jnp.float32))
 
-    def draft(i, st):
-        out, ds = d.propose(p, f, st.drafter_state, jax.random.fold_in(key, i), gamma=g,
-                            sampling=sampling)
-        return st._replace(drafter_state=ds, anchor=out.tokens[:, -1])  # used: never DCE'd
+    def carry(name: str, **aux):
+        st, ax = carries[name]
+        return st, ax._replace(sampling=sampling, **aux)
 
-    def verify(i, st):
-        # as in the device loop: the forward in a switch over the token buckets (a forward that
-        # only reads the cache, outside a conditional, makes XLA:CPU copy the cache to write it)
-        ell = nd + 0 * st.anchor  # read from the state: a bucket index XLA cannot fold
-        st2, _ = bucketed_verify(eng.graphdef, eng.target_state, d, p, f, st, drafts.tokens,
-                                 drafts.probs, ell, keys, sampling, buckets=tuple(eng.buckets),
-                                 gamma=g, method=eng.config.method, verify_impl=eng.verify_impl)
-        return st2._replace(cache=st2.cache.rollback(lengths), drafter_state=st.drafter_state)
-
-    def plain(i, st):
-        model = nnx.merge(eng.graphdef, eng.target_state)
+    def plain(i, c):
+        # plain decoding as `none` runs it: no drafter to keep up to date
+        st, ax = c
+        model = nnx.merge(eng.graphdef, ax.weights[0])
         res = model(st.anchor[:, None], cache=st.cache, num_valid=jnp.ones((s,), jnp.int32))
-        tok = sample_rows(keys, sampling.probs(res.logits[:, 0]),
-                          all_greedy(sampling.temperature))
-        return st._replace(cache=res.cache.rollback(lengths), anchor=tok)
+        tok = sample_rows(ax.keys, ax.sampling.probs(res.logits[:, 0]),
+                          all_greedy(ax.sampling.temperature))
+        return st._replace(cache=res.cache.rollback(ax.lengths), anchor=tok), ax
 
-    return {"draft_s": loop_time(draft, state, reps, n),
-            "verify_s": loop_time(verify, state, reps, n),
-            "plain_s": loop_time(plain, state, reps, n),
+    full_k = carry(f"verify/{bucket}", num_draft=jnp.full((s,), k, jnp.int32))
+    return {"draft_s": loop_time(fns["draft"], carry("draft"), reps, n),
+            "verify_s": loop_time(fns[f"verify/{bucket}"], full_k, reps, n),
+            "plain_s": loop_time(plain, carry("plain"), reps, n),
             "bucket": bucket, "k": k, "context": context, "temperature": temperature,
             "iterations": n}
 

@@ -73,6 +73,13 @@ class ProfileAux(NamedTuple):
     weights: tuple
 
 
+def _keep_positions(new, old):
+    """``new`` drafter state with every integer leaf (positions, tokens, lengths) taken from
+    ``old``: the float leaves (caches, hidden states) keep the commit's writes, the positions
+    stay where they were, so a timed step reads and writes the same context every iteration."""
+    return jax.tree.map(lambda n, o: o if jnp.issubdtype(o.dtype, jnp.integer) else n, new, old)
+
+
 def bucket_draft_lengths(num_slots: int, gamma: int, bucket: int) -> jax.Array:
     """ℓ per slot for a verification that fills ``bucket`` tokens: the bucket's tokens spread over
     the slots (each verifies ℓ + 1 ≤ γ + 1 tokens; −1 marks a slot with none)."""
@@ -88,7 +95,8 @@ def profile_steps(eng, context: int) -> tuple[dict, tuple]:
     loop's switch over buckets, the verifier and the commits, for slots whose ℓ fill the bucket),
     ``"draft"`` (one drafting call of every slot) and ``"plain"`` (production's non-drafting step:
     target forward, sampling, drafter commit). Every slot's cache holds ``context`` positions; the
-    target cache is rolled back to it after each step (the drafter's state is not).
+    target cache is rolled back to it after each step, and a verification keeps the drafter's
+    positions (:func:`_keep_positions`).
     """
     s, g = eng.config.num_slots, eng.config.gamma
     d, p, f = eng.drafter, eng.params, eng.frozen
@@ -108,7 +116,11 @@ def profile_steps(eng, context: int) -> tuple[dict, tuple]:
         st2, _ = bucketed_verify(eng.graphdef, ts, d, p, f, st, ax.tokens, ax.probs,
                                  ax.num_draft, ax.keys, ax.sampling, buckets=buckets, gamma=g,
                                  method=eng.config.method, verify_impl=eng.verify_impl)
-        return st2._replace(cache=st2.cache.rollback(ax.lengths)), ax
+        # the target cache back to the context; the drafter keeps its committed caches (live: carried)
+        # but not its advanced positions, so its context does not drift either
+        return st2._replace(cache=st2.cache.rollback(ax.lengths),
+                            drafter_state=_keep_positions(st2.drafter_state,
+                                                          st.drafter_state)), ax
 
     def draft(i, carry):
         st, ax = carry
