@@ -413,6 +413,20 @@ def write_markdown(report: dict, path: str, argv) -> None:
         f.write("\n".join(lines))
 
 
+def _mtp1_curve(cl: dict):
+    """MTP-1's ``(aggregates, per-user speeds)`` in order of concurrency when they form a
+    trade-off curve (aggregate strictly rising, per-user speed not rising), else a note why not."""
+    pts = [(cl[c]["policies"]["mtp1"]["aggregate_tok_s"], cl[c]["policies"]["mtp1"]["per_user_tok_s"])
+           for c in sorted(cl, key=int)]
+    xs, ys = [a for a, _ in pts], [u for _, u in pts]
+    if len(pts) < 2:
+        return "fewer than two concurrencies"
+    if any(b <= a for a, b in zip(xs, xs[1:])) or any(b > a for a, b in zip(ys, ys[1:])):
+        return ("MTP-1's aggregate / per-user points are not a trade-off curve in concurrency "
+                "order, so a per-user speed 'at the same aggregate' is not defined")
+    return xs, ys
+
+
 def goals(report: dict, policies=("dspark", "production", *CALIBRATED)) -> dict:
     """The serving goals per confidence policy, from the closed-loop medians (no thresholds here).
 
@@ -420,7 +434,10 @@ def goals(report: dict, policies=("dspark", "production", *CALIBRATED)) -> dict:
     * ``vs_none_at_max``: its aggregate / no-speculation aggregate at the highest C.
     * ``per_user_vs_mtp1[C]``: at each of its points whose aggregate lies inside MTP-1's range,
       its per-user speed / MTP-1's per-user speed at the same aggregate (linear interpolation
-      along MTP-1's curve, ordered by aggregate).
+      along MTP-1's curve). Only defined when MTP-1's points, in order of concurrency, form a
+      trade-off curve (aggregate rising, per-user speed not rising); otherwise "the same
+      aggregate" is ambiguous (several concurrencies reach it), the dict stays empty and
+      ``per_user_vs_mtp1_note`` says why.
     """
     cl = report["closed_loop"]
     out = {}
@@ -439,10 +456,11 @@ def goals(report: dict, policies=("dspark", "production", *CALIBRATED)) -> dict:
         top = cl[max(cl, key=int)]["policies"]
         if "none" in top:
             g["vs_none_at_max"] = top[pol]["aggregate_tok_s"] / top["none"]["aggregate_tok_s"]
-        if "mtp1" in next(iter(cl.values()))["policies"]:
-            m = sorted((b["policies"]["mtp1"]["aggregate_tok_s"],
-                        b["policies"]["mtp1"]["per_user_tok_s"]) for b in cl.values())
-            xs, ys = [a for a, _ in m], [u for _, u in m]
+        curve = _mtp1_curve(cl) if "mtp1" in next(iter(cl.values()))["policies"] else None
+        if isinstance(curve, str):
+            g["per_user_vs_mtp1_note"] = curve
+        elif curve is not None:
+            xs, ys = curve
             for c, b in cl.items():
                 agg, user = (b["policies"][pol][k] for k in ("aggregate_tok_s", "per_user_tok_s"))
                 if xs[0] <= agg <= xs[-1]:
@@ -462,6 +480,8 @@ def goals_markdown(report: dict) -> list[str]:
         if g["per_user_vs_mtp1"]:
             parts.append("per-user speed / MTP-1's at the same aggregate: " + ", ".join(
                 f"C={c}: {v:.2f}" for c, v in g["per_user_vs_mtp1"].items()))
+        elif g.get("per_user_vs_mtp1_note"):
+            parts.append(f"per-user speed vs MTP-1: not computed ({g['per_user_vs_mtp1_note']})")
         lines += [f"* **{pol}**: " + "; ".join(parts) + "."]
     return lines + [""]
 
