@@ -118,6 +118,9 @@ def _add_model_flags(p: argparse.ArgumentParser, *, slots: int, temperature: boo
                    help="device: many steps per jitted while-loop (fast); host: one step per "
                         "Python iteration (the reference)")
     p.add_argument("--loop-steps", type=int, default=16, help="--loop device: steps per call")
+    p.add_argument("--online-calibration", action="store_true",
+                   help="confidence policies (threshold, dspark, production) read the drafter's "
+                        "confidences calibrated on the verifier's past decisions (--loop device)")
     p.add_argument("--sps-cache", help="JSON file caching the SPS profile (dspark / production)")
     p.add_argument("--profile-reps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
@@ -153,7 +156,8 @@ def main(argv: Optional[list] = None, stdin: TextIO = sys.stdin,
             threshold=args.threshold, slots=args.slots, max_len=args.max_len, seed=args.seed,
             sps_cache=args.sps_cache, profile_reps=args.profile_reps,
             filters=args.command == "serve", prefill_buckets=args.prefill_buckets,
-            token_buckets=args.token_buckets, loop=args.loop, loop_steps=args.loop_steps)
+            token_buckets=args.token_buckets, loop=args.loop, loop_steps=args.loop_steps,
+            online_calibration=args.online_calibration)
         if args.command == "eval":  # read the prompts before compiling anything
             from specjax import cli_eval
             cli_eval.read_prompts(args.prompts, loaded)

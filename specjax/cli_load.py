@@ -182,7 +182,7 @@ def engine_config(loaded: Loaded, *, policy: str, method: str = "rejection",
                   slots: int = 8, max_len: int = 512, seed: int = 0,
                   sps_cache: Optional[str] = None, profile_reps: int = 5, filters: bool = True,
                   prefill_buckets="16,64,256", token_buckets=None, loop: str = "device",
-                  loop_steps: int = 16):
+                  loop_steps: int = 16, online_calibration: bool = False):
     """An :class:`~specjax.engine.EngineConfig` for the loaded drafter, or :class:`LoadError`.
 
     ``gamma`` defaults to the drafter's trained γ; ``k`` (policy "fixed") defaults to γ.
@@ -190,6 +190,8 @@ def engine_config(loaded: Loaded, *, policy: str, method: str = "rejection",
     ``prefill_buckets`` / ``token_buckets``: compiled prompt chunk sizes / verification batch
     sizes, sequences or comma-separated strings (``token_buckets=None``: the engine's default).
     ``loop`` / ``loop_steps``: the engine's device loop (default) or host loop.
+    ``online_calibration``: confidence policies read confidences calibrated on the verifier's
+    past decisions (device loop; :mod:`specjax.engine.online_calibration`).
     """
     from specjax.engine import EngineConfig
     from specjax.scheduling import SchedulerConfig
@@ -217,7 +219,8 @@ def engine_config(loaded: Loaded, *, policy: str, method: str = "rejection",
                             scheduler=SchedulerConfig(policy, k=k, threshold=threshold), seed=seed,
                             prefill_buckets=prefill_buckets, token_buckets=token_buckets,
                             sps_cache=sps_cache, profile_reps=profile_reps, filters=filters,
-                            loop=loop, loop_steps=loop_steps)
+                            loop=loop, loop_steps=loop_steps,
+                            online_calibration=online_calibration)
     except ValueError as e:
         raise LoadError(str(e)) from e
 

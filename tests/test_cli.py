@@ -53,6 +53,7 @@ def test_serve_hf_checkpoint_ngram_jsonl_roundtrip(tmp_path):
     (["--prefill-buckets", "0,16"], "token buckets must be positive ints"),
     (["--slots", 2, "--gamma", 3, "--token-buckets", "4"], "must hold num_slots * (gamma + 1)"),
     (["--drafter", "/no/such/dir"], "not 'ngram' and not a directory"),
+    (["--policy", "fixed", "--online-calibration"], "does not read"),
 ])
 def test_bad_combinations_fail_clearly(argv, message, capsys):
     rc, _ = _main(["serve", "--preset", "tiny"] + argv)
@@ -83,8 +84,10 @@ def test_serve_trained_dspark_drafter_with_dspark_policy(tiny_runs, tmp_path, mo
     reqs.write_text('{"prompt": "The answer is", "temperature": 0, "id": "g"}\n'
                     '{"prompt": "def f(x):", "temperature": 1, "seed": 3, "id": "s"}\n')
     out = tmp_path / "out.jsonl"
-    # the drafter's workdir alone: its config.json names the target it was trained against
-    rc, _ = _main(["serve", "--drafter", tiny_runs.dspark, "--policy", "dspark", "--slots", 2,
+    # the drafter's workdir alone: its config.json names the target it was trained against;
+    # Algorithm 1 on online-calibrated confidences (greedy output is unchanged by any policy)
+    rc, _ = _main(["serve", "--drafter", tiny_runs.dspark, "--policy", "dspark",
+                   "--online-calibration", "--slots", 2,
                    "--max-len", 40, "--max-new-tokens", 8, "--profile-reps", 1,
                    "--prefill-buckets", 16, "--token-buckets", "4,8",
                    "--requests", reqs, "--out", out])
