@@ -6,9 +6,12 @@ Rooms (one concept per file)::
     engine.py           Engine: submit / cancel / admit (prefill) / emit / finish    host
     device_loop.py      many steps in one jitted lax.while_loop (default)            device
     device_policies.py  verification-length policies in jnp                         device
+    online_calibration.py  confidences calibrated on past verifications (optional)  device
     device_driver.py    feeds the device loop and streams its tokens                 host
     host_loop.py        one step at a time from Python, with overlap                host
     steps.py            the jitted draft / flattened verify / prefill steps          device
+    step_costs.py       SPS profile from each step timed alone in a device loop     device
+    loop_profile.py     production's SPS profile timed on its own loop program      device
     specjax.scheduling  the policies in numpy (references) and the SPS profile       host
 
 A step drafts γ tokens per slot, chooses each request's verification length ℓ, verifies the
@@ -22,7 +25,9 @@ token bucket); :meth:`Engine.warmup` compiles all of them, after which a run com
 
 Exactness: a request's verification length depends only on confidences of drafts *before* the
 position being admitted (Algorithm 1 with early stop; the production form's budget comes from
-stale confidences, fixed before the step drafts), so every policy is lossless (docs/DESIGN.md, "Invariants").
+stale confidences, fixed before the step drafts; online calibration rescales each position's
+confidence by a ratio of past verifications), so every policy is lossless (docs/DESIGN.md,
+"Invariants").
 Temperature 0 requests are verified greedily (one-hot p and q: acceptance is exact match).
 """
 from __future__ import annotations
