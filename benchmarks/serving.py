@@ -51,18 +51,17 @@ POLICIES = {
 CALIBRATED = ("dspark+cal", "production+cal")
 
 
+def _base_policy(name: str) -> str:
+    """The POLICIES entry of ``name`` ("production+cal" -> "production"). A calibrated policy
+    also reuses its base's self-timed profile: the same loop program plus O(S·γ) calibration
+    work per step."""
+    return name.removesuffix("+cal")
+
+
 def policy_config(base: EngineConfig, name: str, **overrides) -> EngineConfig:
     """``base`` with the scheduler (and calibration) of policy ``name`` (POLICIES or CALIBRATED)."""
-    cal = name.endswith("+cal")
-    sched = POLICIES[name[:-len("+cal")] if cal else name]
-    return EngineConfig(**{**base.__dict__, "scheduler": sched, "online_calibration": cal,
-                           **overrides})
-
-
-def _profile_owner(name: str) -> str:
-    """Whose self-timed profile a policy uses: production+cal runs production's loop program
-    plus O(S·γ) calibration work per step, so it reuses production's profile."""
-    return name[:-len("+cal")] if name.endswith("+cal") else name
+    return EngineConfig(**{**base.__dict__, "scheduler": POLICIES[_base_policy(name)],
+                           "online_calibration": name.endswith("+cal"), **overrides})
 
 
 def load_models(args):
@@ -297,14 +296,16 @@ def main(argv=None):
         # production on the device loop times its own loop program (specjax/engine/loop_profile.py):
         # its first run profiles, the later ones reuse that profile
         self_profiled = {"production"} if args.loop == "device" else set()
-        if "production+cal" in pols and "production" not in pols:
-            raise SystemExit("production+cal reuses production's profile: list production first")
+        if "production+cal" in pols and ("production" not in pols or
+                                         pols.index("production") > pols.index("production+cal")):
+            raise SystemExit("production+cal reuses production's profile: list production "
+                             "before it in --policies")
         own = {}
         runs = {p: [] for p in pols}
         for rep in range(args.reps):
             for p in pols:
                 cfg = policy_config(base, p)
-                owner = _profile_owner(p)
+                owner = _base_policy(p)
                 prof = own.get(owner) if owner in self_profiled else sps
                 r, eng = run_one(target, drafter, params, frozen, cfg, prompts,
                                  args.max_new_tokens, args.temperature, prof, stop)
@@ -361,7 +362,7 @@ def main(argv=None):
                 report["poisson"][rate][p] = poisson(target, drafter, params, frozen, cfg,
                                                      prompts, args.max_new_tokens,
                                                      args.temperature, rate,
-                                                     own.get(_profile_owner(p), prof), stop)
+                                                     own.get(_base_policy(p), prof), stop)
                 print(f"poisson {rate}/s {p}: {report['poisson'][rate][p]}", flush=True)
     report["goals"] = goals(report)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

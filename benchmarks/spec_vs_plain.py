@@ -96,10 +96,8 @@ def _step_costs(eng, reps: int, context: int, temperature: float, n: int = 64) -
     in the loop's carry, so XLA can neither fold them as constants nor drop a commit whose result
     is unused (``tests/test_production_plain.py`` checks those programs' flops)."""
     import jax.numpy as jnp
-    from flax import nnx
+    from specjax.engine.device_loop import _plain_step, init_loop_state
     from specjax.engine.step_costs import loop_time, profile_steps
-    from specjax.engine.steps import sample_rows
-    from specjax.sampling import all_greedy
     s, g = eng.config.num_slots, eng.config.gamma
     k = min(eng.config.scheduler.k, g)
     bucket = next(b for b in eng.buckets if b >= s * (k + 1))
@@ -110,14 +108,15 @@ def _step_costs(eng, reps: int, context: int, temperature: float, n: int = 64) -
         st, ax = carries[name]
         return st, ax._replace(sampling=sampling, **aux)
 
+    every_slot = init_loop_state(carries["plain"][0], s, g, g + 1)._replace(
+        active=jnp.ones((s,), bool))
+
     def plain(i, c):
-        # plain decoding as `none` runs it: no drafter to keep up to date
+        # the device loop's plain step as `none` runs it: no drafter to keep up to date
         st, ax = c
-        model = nnx.merge(eng.graphdef, ax.weights[0])
-        res = model(st.anchor[:, None], cache=st.cache, num_valid=jnp.ones((s,), jnp.int32))
-        tok = sample_rows(ax.keys, ax.sampling.probs(res.logits[:, 0]),
-                          all_greedy(ax.sampling.temperature))
-        return st._replace(cache=res.cache.rollback(ax.lengths), anchor=tok), ax
+        dev, _ = _plain_step(eng.graphdef, ax.weights[0], every_slot._replace(dev=st),
+                             ax.sampling, ax.keys)
+        return dev._replace(cache=dev.cache.rollback(ax.lengths)), ax
 
     full_k = carry(f"verify/{bucket}", num_draft=jnp.full((s,), k, jnp.int32))
     return {"draft_s": loop_time(fns["draft"], carry("draft"), reps, n),

@@ -198,7 +198,6 @@ def _speculative_step(spec: LoopSpec, target_graphdef, target_state, drafter, pa
     int32 [S, γ+1], num_accepted int32 [S], ℓ int32 [S], raw confidences f32 [S, γ])``."""
     g = spec.gamma
     active = ls.active
-    buckets = jnp.asarray(spec.buckets, jnp.int32)
     dkey = jax.random.fold_in(key, ls.draws)
     out, dstate = drafter.propose(params, frozen, dev.drafter_state, dkey, gamma=g,
                                   sampling=sampling, argmax=spec.method == "target_only")
