@@ -44,9 +44,12 @@ import numpy as np
 
 from specjax.paths import portable_argv, portable_path
 
-DOMAINS = ("math", "code", "prose", "all")  # "all" = the three pooled
+from experiments.reproduce_tables import (DOMAINS, LOSS_NAMES, bebop_delta_markdown,  # noqa: F401
+                                         bebop_markdown, bebop_table, calibration_over_seeds,
+                                         calibration_seeds_markdown, dspark_markdown,
+                                         dspark_table, seed_name)
+
 BEBOP_LOSSES = ("ce", "kl", "rkl", "tv", "e2e_tv")
-LOSS_NAMES = {"ce": "CE", "kl": "KL", "rkl": "reverse KL", "tv": "TV", "e2e_tv": "e2e-TV"}
 
 
 @dataclasses.dataclass
@@ -75,17 +78,22 @@ class Mode:
     dspark_grid: tuple = (("rejection", 1.0),)
     dspark_eval_rows: int = 64  # more blocks for the DSpark table and the calibration (ECE noise)
     dspark_anchors: int = 16
+    dspark_seeds: int = 3  # training seeds of every DSpark-table drafter (and calibration)
+    # 1: when the Bebop part did not train them, train the CE MTP heads (warm + fine, one per
+    # DSpark seed) for the table's recursive-MTP baseline; 0: use them only if they exist
+    dspark_mtp: int = 1
 
 
 MODES = {
     "full": Mode(),
     # about half the compute of "full": one seed, shorter runs, fewer held-out rows
     "reduced": Mode(seeds=1, warm=150, fine=75, dspark_steps=120, draft_lm_steps=120,
-                    train_rows_per_domain=1500, eval_rows=32, dspark_eval_rows=48),
+                    train_rows_per_domain=1500, eval_rows=32, dspark_eval_rows=48,
+                    dspark_seeds=1, dspark_mtp=0),
     "tiny": Mode(target_arg="tiny", drafter_arg="tiny", seq_len=32, batch_size=4,
                  train_rows_per_domain=32, max_docs=30, eval_rows=6, anchors=4, seeds=1, warm=2,
                  fine=2, dspark_steps=2, draft_lm_steps=2, bebop_losses=("ce", "tv", "e2e_tv"),
-                 dspark_eval_rows=6, dspark_anchors=4,
+                 dspark_eval_rows=6, dspark_anchors=4, dspark_seeds=1, dspark_mtp=0,
                  dspark_drafters=("dflash", "dspark_markov"), dspark_gammas=(7,), lr=1e-2),
 }
 
@@ -278,202 +286,25 @@ def train(name: str, config, workdir: str, timings: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
-# tables
-# ------------------------------------------------------------------------------------------------
-def _mean_se(values):
-    v = np.asarray([x for x in values if x is not None and np.isfinite(x)], np.float64)
-    if v.size == 0:
-        return float("nan"), float("nan")
-    return float(v.mean()), (float(v.std(ddof=1) / np.sqrt(v.size)) if v.size > 1
-                             else float("nan"))
-
-
-def _quadrature(*se) -> float:
-    """``sqrt(Σ se²)`` over the finite terms (nan when none is finite)."""
-    v = [x for x in se if x is not None and np.isfinite(x)]
-    return float(np.sqrt(np.sum(np.square(v)))) if v else float("nan")
-
-
-def _rows_se(cells: list, ref_cells: Optional[list] = None) -> float:
-    """Row-clustered s.e. of the seed-pooled acceptance (accepted / γ) of ``cells`` (one
-    :func:`specjax.evaluation.summarize` dict per seed, all on the same held-out rows), or of its
-    difference to ``ref_cells`` (same seeds, rows and anchors: paired by row). Each row's accepted
-    drafts and steps are summed over the seeds; nan when a cell lacks ``per_row`` or the pairs'
-    anchors differ."""
-    from specjax.stats import clustered_ratio
-    y: dict = {}
-    n: dict = {}
-    for k, m in enumerate(cells):
-        pr = m.get("per_row")
-        if pr is None:
-            return float("nan")
-        g = len(m["acceptance"])
-        sub = None
-        if ref_cells is not None:
-            sub = ref_cells[k].get("per_row")
-            if sub is None or sub["row"] != pr["row"] or sub["steps"] != pr["steps"]:
-                return float("nan")
-        for i, r in enumerate(pr["row"]):
-            v = pr["accepted"][i] - (sub["accepted"][i] if sub is not None else 0)
-            y[r] = y.get(r, 0.0) + v / g
-            n[r] = n.get(r, 0.0) + pr["steps"][i]
-    if len(y) < 2:
-        return float("nan")
-    rows = sorted(y)
-    return clustered_ratio([y[r] for r in rows], [n[r] for r in rows])[1]
-
-
-def bebop_table(results: dict, losses, seeds: int, prefix: str = "bebop",
-                ref: str = "ce") -> dict:
-    """Per loss and domain: RS@1 / TO@1 acceptance (accepted / γ) and the Δ of RS@1 vs the
-    ``ref`` loss (default CE), means over seeds, and the entropy slopes.
-
-    Two sources of error are estimated and combined in quadrature (``*_se``; both are kept):
-
-    * ``*_se_seeds`` — the s.e. over seeds (training randomness; nan with one seed);
-    * ``*_se_rows`` — the held-out sample: the s.e. of the seed-pooled value clustered by
-      held-out row (the anchors of one row share its context), paired by row for Δ (every drafter
-      is evaluated at the same anchors).
-
-    Slopes: ``rs_slope_se`` combines the seed s.e. with the mean over seeds of each seed's
-    row-clustered slope s.e. (not divided by √seeds: the seeds share the rows)."""
-    out = {}
-    for loss in losses:
-        row = {}
-        for d in DOMAINS:
-            cells, ref_cells, to, delta, slope_se_rows = [], [], [], [], []
-            slopes = {"RS": [], "TO": []}
-            for s in range(seeds):
-                name = f"{prefix}_{loss}_s{s}"
-                ce = f"{prefix}_{ref}_s{s}"
-                if name not in results or d not in results[name].get("RS@1", {}):
-                    continue
-                m = results[name]["RS@1"][d]
-                cells.append(m)
-                slopes["RS"].append(-m["entropy_fit"]["slope"])
-                slope_se_rows.append(m["entropy_fit"].get("slope_se_clustered", np.nan))
-                if "TO@1" in results[name]:
-                    to.append(results[name]["TO@1"][d]["accept_rate"])
-                    slopes["TO"].append(-results[name]["TO@1"][d]["entropy_fit"]["slope"])
-                if ce in results and d in results[ce].get("RS@1", {}):
-                    ref_cells.append(results[ce]["RS@1"][d])
-                    delta.append(m["accept_rate"] - ref_cells[-1]["accept_rate"])
-            if not cells:
-                continue
-            rs_m, rs_se_seeds = _mean_se([m["accept_rate"] for m in cells])
-            rs_se_rows = _rows_se(cells)
-            if len(cells) == 1 and not np.isfinite(rs_se_rows):  # old JSON: no per-row sums
-                rs_se_rows = float(cells[0]["accept_rate_se"])
-            d_m, d_se_seeds = _mean_se(delta)
-            d_se_rows = _rows_se(cells, ref_cells) if len(ref_cells) == len(cells) \
-                else float("nan")
-            sl_m, sl_se_seeds = _mean_se(slopes["RS"])
-            sl_rows = [x for x in slope_se_rows if x is not None and np.isfinite(x)]
-            row[d] = {"rs": rs_m, "rs_se": _quadrature(rs_se_seeds, rs_se_rows),
-                      "rs_se_seeds": rs_se_seeds, "rs_se_rows": rs_se_rows,
-                      "delta": d_m, "delta_se": _quadrature(d_se_seeds, d_se_rows),
-                      "delta_se_seeds": d_se_seeds, "delta_se_rows": d_se_rows,
-                      "to": _mean_se(to)[0], "to_se": _mean_se(to)[1],
-                      "rs_slope": sl_m,
-                      "rs_slope_se": _quadrature(sl_se_seeds,
-                                                 float(np.mean(sl_rows)) if sl_rows else np.nan),
-                      "to_slope": _mean_se(slopes["TO"])[0], "n_seeds": len(cells)}
-        out[loss] = row
-    return out
-
-
-def bebop_delta_markdown(table: dict, ref: str) -> str:
-    """One line per loss: Δ accepted/γ (points) vs ``ref`` per domain, ± s.e."""
-    f = lambda v, p=1: "—" if v is None or not np.isfinite(v) else f"{v:.{p}f}"
-    lines = [f"| Δ vs {LOSS_NAMES.get(ref, ref)} (points) | " + " | ".join(DOMAINS) + " |",
-             "|---|" + "---|" * len(DOMAINS)]
-    for loss, row in table.items():
-        if loss == ref:
-            continue
-        lines.append(f"| {LOSS_NAMES.get(loss, loss)} | " + " | ".join(
-            "—" if d not in row else
-            f"{'+' if row[d]['delta'] >= 0 else ''}{f(100 * row[d]['delta'])} ± "
-            f"{f(100 * row[d]['delta_se'])}" for d in DOMAINS) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def bebop_markdown(table: dict) -> str:
-    f = lambda v, p=1: "—" if v is None or not np.isfinite(v) else f"{v:.{p}f}"
-    lines = ["| MTP loss (γ = 3) | " + " | ".join(f"{d} RS" for d in DOMAINS) + " | "
-             + " | ".join(f"{d} TO" for d in DOMAINS) + " |",
-             "|---|" + "---|" * (2 * len(DOMAINS))]
-    for loss, row in table.items():
-        cells = []
-        for d in DOMAINS:
-            m = row.get(d)
-            if m is None:
-                cells.append("—")
-            elif loss == "ce":
-                cells.append(f"{f(100 * m['rs'])} ± {f(100 * m['rs_se'])}")
-            else:
-                cells.append(f"{f(100 * m['rs'])} ({'+' if m['delta'] >= 0 else ''}"
-                             f"{f(100 * m['delta'])} ± {f(100 * m['delta_se'])})")
-        for d in DOMAINS:
-            m = row.get(d)
-            cells.append("—" if m is None else f"{f(100 * m['to'])}")
-        lines.append(f"| {LOSS_NAMES.get(loss, loss)} | " + " | ".join(cells) + " |")
-    lines.append("")
-    lines.append("Entropy slopes b of α ≈ a − b·H (per nat; RS@1 and TO@1 per-draft acceptance "
-                 "probabilities vs target entropy, all verified positions; mean over seeds; RS "
-                 "± s.e. combining the seeds and the row-clustered fit):\n")
-    lines.append("| | " + " | ".join(DOMAINS) + " |")
-    lines.append("|---|" + "---|" * len(DOMAINS))
-    if "ce" in table:
-        lines.append("| TO (CE head) | " + " | ".join(
-            f(table["ce"].get(d, {}).get("to_slope", np.nan), 3) for d in DOMAINS) + " |")
-    for loss in ("ce", "kl", "rkl", "tv", "e2e_tv", "tv_scratch", "e2e_tv_scratch"):
-        if loss in table:
-            lines.append(f"| RS + {LOSS_NAMES.get(loss, loss)} | " + " | ".join(
-                "—" if d not in table[loss] else
-                f"{f(table[loss][d]['rs_slope'], 3)} ± {f(table[loss][d]['rs_slope_se'], 3)}"
-                for d in DOMAINS) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def dspark_table(results: dict, names: dict, gammas) -> dict:
-    out = {}
-    for label, by_g in names.items():
-        row = {}
-        for g in gammas:
-            key = by_g.get(g)
-            if key is None or key not in results:
-                continue
-            for d in DOMAINS:
-                m = results[key].get("RS@1", {}).get(d)
-                if m is not None:
-                    row[f"{d}@{g}"] = {"tau": m["tau"], "tau_se": m["tau_se"],
-                                       "tau_pred": m["tau_pred"]}
-        out[label] = row
-    return out
-
-
-def dspark_markdown(table: dict, gammas) -> str:
-    f = lambda v, p=2: "—" if v is None or not np.isfinite(v) else f"{v:.{p}f}"
-    cols = [(d, g) for g in gammas for d in DOMAINS]
-    lines = ["| drafter | " + " | ".join(f"{d} γ={g}" for d, g in cols) + " |",
-             "|---|" + "---|" * len(cols)]
-    for label, row in table.items():
-        lines.append(f"| {label} | " + " | ".join(
-            (f"{f(row[f'{d}@{g}']['tau'])} ± {f(row[f'{d}@{g}']['tau_se'])}"
-             if f"{d}@{g}" in row else "—") for d, g in cols) + " |")
-    if "DFlash" in table and "DSpark-Markov" in table:
-        gain = []
-        for d, g in cols:
-            a, b = table["DFlash"].get(f"{d}@{g}"), table["DSpark-Markov"].get(f"{d}@{g}")
-            gain.append("—" if a is None or b is None else
-                        f"{100 * (b['tau'] / a['tau'] - 1):+.1f}%")
-        lines.append("| Markov vs DFlash | " + " | ".join(gain) + " |")
-    return "\n".join(lines) + "\n"
-
-
-# ------------------------------------------------------------------------------------------------
 # main
 # ------------------------------------------------------------------------------------------------
+def train_mtp(mode: Mode, loss: str, seed: int, common: dict, workdir: str,
+              timings: dict) -> str:
+    """The Bebop recipe for one MTP head: CE for ``mode.warm`` steps
+    (``bebop_warm_ce_s<seed>``), then ``loss`` for ``mode.fine`` more from that checkpoint
+    (``bebop_<loss>_s<seed>``). Returns the second workdir; finished runs are reused."""
+    warm = train(f"bebop_warm_ce_s{seed}", drafter_config(
+        mode, "mtp_ce", steps=mode.warm, seed=seed, **common), workdir, timings)
+    return train(f"bebop_{loss}_s{seed}", drafter_config(
+        mode, f"mtp_{loss}", steps=mode.fine, seed=seed, init_from=warm, **common),
+        workdir, timings)
+
+
+def variant_of(drafter: str, gamma: int) -> str:
+    """``train_drafter.py`` variant of a DSpark-table drafter at ``gamma`` (7 or 15)."""
+    return drafter + (f"_g{gamma}" if gamma != 7 else "")
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description="Reproduce Bebop Table 2 / DSpark Table 1 / Fig. 6.")
     p.add_argument("--mode", choices=sorted(MODES), default="tiny")
@@ -544,13 +375,8 @@ def main(argv=None) -> dict:
     runs = {}
     if "bebop" in parts:
         for s in range(mode.seeds):
-            warm = train(f"bebop_warm_ce_s{s}", drafter_config(
-                mode, "mtp_ce", steps=mode.warm, seed=s, **common), workdir, timings)
             for loss in mode.bebop_losses:
-                name = f"bebop_{loss}_s{s}"
-                runs[name] = train(name, drafter_config(
-                    mode, f"mtp_{loss}", steps=mode.fine, seed=s, init_from=warm, **common),
-                    workdir, timings)
+                runs[f"bebop_{loss}_s{s}"] = train_mtp(mode, loss, s, common, workdir, timings)
             if args.extra:
                 for loss in ("tv", "e2e_tv"):
                     name = f"bebop_{loss}_scratch_s{s}"
@@ -582,19 +408,25 @@ def main(argv=None) -> dict:
 
     # -- DSpark ----------------------------------------------------------------------------------
     if "dspark" in parts:
-        truns = {}
-        for g in mode.dspark_gammas:
-            for v in mode.dspark_drafters:
-                variant = v + (f"_g{g}" if g != 7 else "")
-                name = f"dspark_{v}_g{g}".replace("dspark_dspark_", "dspark_")
-                c = drafter_config(mode, variant, steps=mode.dspark_steps, seed=0, **common)
-                c.task.gamma = g
-                truns[name] = train(name, c, workdir, timings)
-        truns["draft_lm"] = train("draft_lm", drafter_config(
-            mode, "draft_lm", steps=mode.draft_lm_steps, seed=0, **common), workdir, timings)
-        mtp_wd = runs.get("bebop_ce_s0")
-        if mtp_wd is None and os.path.isdir(os.path.join(workdir, "drafters", "bebop_ce_s0")):
-            mtp_wd = os.path.join(workdir, "drafters", "bebop_ce_s0")
+        truns, mtp = {}, {}
+        for s in range(mode.dspark_seeds):
+            for g in mode.dspark_gammas:
+                for v in mode.dspark_drafters:
+                    name = seed_name(f"dspark_{v}_g{g}".replace("dspark_dspark_", "dspark_"), s)
+                    c = drafter_config(mode, variant_of(v, g), steps=mode.dspark_steps, seed=s,
+                                       **common)
+                    c.task.gamma = g
+                    truns[name] = train(name, c, workdir, timings)
+            name = seed_name("draft_lm", s)
+            truns[name] = train(name, drafter_config(
+                mode, "draft_lm", steps=mode.draft_lm_steps, seed=s, **common), workdir, timings)
+            ce = runs.get(f"bebop_ce_s{s}")
+            if ce is None and os.path.isdir(os.path.join(workdir, "drafters", f"bebop_ce_s{s}")):
+                ce = os.path.join(workdir, "drafters", f"bebop_ce_s{s}")
+            if ce is None and mode.dspark_mtp:
+                ce = train_mtp(mode, "ce", s, common, workdir, timings)
+            if ce is not None:
+                mtp[s] = ce
         t0 = time.perf_counter()
         heldout_ds = OE.load_heldout(heldout_path, max_rows=mode.dspark_eval_rows)
         vocab = model_config_from(tcfg).vocab_size
@@ -605,14 +437,19 @@ def main(argv=None) -> dict:
             drafters = {}
             for v in mode.dspark_drafters:
                 name = f"dspark_{v}_g{g}".replace("dspark_dspark_", "dspark_")
-                drafters[name] = OE.load_trained(truns[name], target[1])
                 label = {"dflash": "DFlash", "dspark_markov": "DSpark-Markov",
                          "dspark_rnn": "DSpark-RNN"}[v]
                 labels[label][g] = name
-            if mtp_wd:
-                drafters[f"mtp_g{g}"] = OE.load_trained(mtp_wd, target[1])
+                for s in range(mode.dspark_seeds):
+                    drafters[seed_name(name, s)] = OE.load_trained(truns[seed_name(name, s)],
+                                                                   target[1])
+            for s, wd in mtp.items():
+                drafters[seed_name(f"mtp_g{g}", s)] = OE.load_trained(wd, target[1])
+            if mtp:
                 labels["MTP (CE, recursive)"][g] = f"mtp_g{g}"
-            drafters[f"draft_lm_g{g}"] = OE.load_trained(truns["draft_lm"], target[1])
+            for s in range(mode.dspark_seeds):
+                drafters[seed_name(f"draft_lm_g{g}", s)] = OE.load_trained(
+                    truns[seed_name("draft_lm", s)], target[1])
             labels["draft LM"][g] = f"draft_lm_g{g}"
             drafters[f"ngram_g{g}"] = (NGramDrafter(vocab, max_ngram=3), None, None, g)
             labels["n-gram"][g] = f"ngram_g{g}"
@@ -629,10 +466,15 @@ def main(argv=None) -> dict:
                     cal[name] = OE.calibration(recs[name]["RS@1"], out, name)
                     OE.save_traces(recs[name]["RS@1"], os.path.join(out, f"traces_{name}.npz"))
         timings["eval_dspark_s"] = time.perf_counter() - t0
-        table = dspark_table(res_all, labels, mode.dspark_gammas)
-        summary["dspark"] = {"table": table, "results": res_all, "calibration": cal}
+        table = dspark_table(res_all, labels, mode.dspark_gammas, mode.dspark_seeds)
+        cal_seeds = calibration_over_seeds(cal, mode.dspark_seeds)
+        summary["dspark"] = {"table": table, "results": res_all, "calibration": cal,
+                             "calibration_over_seeds": cal_seeds, "seeds": mode.dspark_seeds}
         summary["dspark_md"] = dspark_markdown(table, mode.dspark_gammas)
         summary["calibration_md"] = OE.calibration_markdown(cal)
+        if mode.dspark_seeds > 1:
+            summary["calibration_md"] = (calibration_seeds_markdown(cal_seeds)
+                                         + "\nPer seed:\n" + summary["calibration_md"])
 
     timings["total_s"] = time.perf_counter() - t_start
     summary["machine"]["loadavg_end"] = machine_info().get("loadavg")
@@ -657,7 +499,11 @@ def write_summary(summary: dict, workdir: str, args, mode: Mode, final: bool = T
                "(clustered by row; paired by row for Δ) combined in quadrature; "
                "TO = target-only acceptance at T = 1.\n", summary["bebop_md"]]
     if "dspark_md" in summary:
+        seeds = summary["dspark"].get("seeds", 1)
         md += ["## DSpark Table 1 analogue: τ (accepted + 1 per step), RS at T = 1\n",
+               (f"Mean over {seeds} training seeds; ± = s.e. over seeds and s.e. of the held-out "
+                "sample (clustered by row) combined in quadrature.\n" if seeds > 1 else
+                "One training seed; ± = s.e. of the held-out sample (clustered by row).\n"),
                summary["dspark_md"], "## Calibration (DSpark confidence heads, RS@1)\n",
                summary["calibration_md"]]
     md.append(f"\nTimings (s): {json.dumps({k: (round(v) if isinstance(v, float) else {n: round(x) for n, x in v.items()}) for k, v in t.items()})}\n")

@@ -52,13 +52,14 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     summary = json.load(open(os.path.join(args.dir, "summary.json")))
     print(f"## predicted vs measured τ (miss = |τ − E[τ]| > {TOLERANCE})")
-    sources = {"bebop (all seeds)": summary["bebop"]["results"]}
+    sources = {"bebop (all seeds)": summary["bebop"]["results"]} if "bebop" in summary else {}
     for part in ("dspark_g7", "dspark_g15"):
-        sources[part] = json.load(open(os.path.join(args.dir, part, "results.json")))
+        if os.path.exists(os.path.join(args.dir, part, "results.json")):
+            sources[part] = json.load(open(os.path.join(args.dir, part, "results.json")))
     for name, results in sources.items():
         miss, n, worst, where = tau_misses(results)
         print(f"{name}: {miss} of {n} cells miss; worst {worst:.3f} ({where})")
-    for seed in sorted({k.rsplit("_", 1)[1] for k in summary["bebop"]["results"]}):
+    for seed in sorted({k.rsplit("_", 1)[1] for k in summary.get("bebop", {}).get("results", {})}):
         sub = {k: v for k, v in summary["bebop"]["results"].items() if k.endswith(seed)}
         miss, n, worst, where = tau_misses(sub)
         print(f"  bebop {seed}: {miss} of {n} cells miss; worst {worst:.3f} ({where})")

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from experiments import reproduce as R
+from experiments import reproduce_tables as R
 from specjax import evaluation as E
 from specjax import stats as S
 
@@ -128,6 +128,50 @@ def test_bebop_table_combines_seed_and_row_errors():
     # anchors that differ between a loss and its reference cannot be paired
     res["b_tv_s1"]["RS@1"]["math"]["per_row"]["steps"] = [3, 4, 5]
     assert np.isnan(R.bebop_table(res, ["tv"], seeds=2, prefix="b")["tv"]["math"]["delta_se_rows"])
+
+
+def _tau_cell(accepted_per_row, steps_per_row, gamma=3, tau_pred=2.0):
+    m = _cell(accepted_per_row, steps_per_row, gamma)
+    m["tau"] = 1 + sum(accepted_per_row) / sum(steps_per_row)
+    m["tau_pred"] = tau_pred
+    return m
+
+
+def test_dspark_table_pools_seeds_and_rows():
+    """Seed 0 keeps the bare run name; τ is the mean over seeds, its s.e. combines the seed
+    spread and the row-clustered s.e. of the seed-pooled τ; a drafter with one seed (n-gram)
+    keeps its own row-clustered s.e."""
+    res = {"mk": {"RS@1": {"math": _tau_cell([3, 6, 9], [4, 4, 4], tau_pred=2.0)}},
+           "mk_s1": {"RS@1": {"math": _tau_cell([6, 6, 6], [4, 4, 4], tau_pred=3.0)}},
+           "ng": {"RS@1": {"math": _tau_cell([0, 1, 2], [4, 4, 4])}}}
+    t = R.dspark_table(res, {"Markov": {7: "mk"}, "n-gram": {7: "ng"}}, (7,), seeds=2)
+    mk = t["Markov"]["math@7"]
+    assert mk["tau"] == pytest.approx(2.5) and mk["tau_pred"] == pytest.approx(2.5)
+    assert mk["tau_per_seed"] == pytest.approx([2.5, 2.5]) and mk["n_seeds"] == 2
+    assert mk["tau_se_seeds"] == pytest.approx(0.0)
+    # rows pooled over seeds: accepted (9, 12, 15) out of 8 steps each
+    assert mk["tau_se_rows"] == pytest.approx(S.clustered_ratio([9, 12, 15], [8, 8, 8])[1])
+    assert mk["tau_se"] == pytest.approx(mk["tau_se_rows"])
+    ng = t["n-gram"]["math@7"]
+    assert ng["n_seeds"] == 1 and np.isnan(ng["tau_se_seeds"])
+    assert ng["tau"] == pytest.approx(1.25)
+    assert ng["tau_se"] == pytest.approx(S.clustered_ratio([0, 1, 2], [4, 4, 4])[1])
+
+
+def test_calibration_over_seeds_is_the_per_position_mean_and_se():
+    def cal(after):
+        return {"ece_before": [0.1, 0.2], "ece_after": after, "ece_cond_before": [0.3, 0.4],
+                "ece_cond_after": [0.5, float("nan")]}
+    over = R.calibration_over_seeds({"m": cal([0.02, 0.04]), "m_s1": cal([0.04, 0.04]),
+                                     "r": cal([0.01, 0.01])}, seeds=2)
+    assert set(over) == {"m", "r"} and over["m"]["n_seeds"] == 2 and over["r"]["n_seeds"] == 1
+    assert over["m"]["ece_after"] == pytest.approx([0.03, 0.04])
+    assert over["m"]["ece_after_se"] == pytest.approx([0.01, 0.0])  # std(ddof=1) / sqrt(2)
+    assert over["m"]["ece_before"] == pytest.approx([0.1, 0.2])
+    assert np.isnan(over["m"]["ece_cond_after"][1])  # no block reached: stays unknown
+    assert np.isnan(over["r"]["ece_after_se"][0])
+    md = R.calibration_seeds_markdown(over)
+    assert "| survival, after STS | 3.0 ± 1.0 | 4.0 ± 0.0 |" in md
 
 
 def test_calibration_halves_split_by_row():
