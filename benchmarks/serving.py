@@ -130,12 +130,9 @@ def summarize(results, wall: float, engine: Engine) -> dict:
         calls = engine.loop_stats
         slot_steps = sum(r.steps for r in results)
         n_steps = sum(c.steps for c in calls)
-        if engine.config.online_calibration and engine._carry is not None:
-            # the per-position ratios ρ_k the calibration ended the run with (1 = the raw
-            # confidences were already calibrated; specjax/engine/online_calibration.py)
-            from specjax.engine import online_calibration as oc
-            base["calibration_rho"] = np.asarray(
-                oc.ratios(engine._carry.cal_acc, engine._carry.cal_pred)).tolist()
+        cal = engine.calibration_state()
+        if cal is not None:  # the per-position ratios ρ_k the calibration ended the run with
+            base["calibration_rho"] = cal[0].tolist()
         return {**base,
                 "tau": (toks - len(results)) / max(1, slot_steps),
                 "steps": n_steps,

@@ -96,7 +96,7 @@ def _step_costs(eng, reps: int, context: int, temperature: float, n: int = 64) -
     in the loop's carry, so XLA can neither fold them as constants nor drop a commit whose result
     is unused (``tests/test_production_plain.py`` checks those programs' flops)."""
     import jax.numpy as jnp
-    from specjax.engine.device_loop import _plain_step, init_loop_state
+    from specjax.engine.device_loop import plain_step, init_loop_state
     from specjax.engine.step_costs import loop_time, profile_steps
     s, g = eng.config.num_slots, eng.config.gamma
     k = min(eng.config.scheduler.k, g)
@@ -114,7 +114,7 @@ def _step_costs(eng, reps: int, context: int, temperature: float, n: int = 64) -
     def plain(i, c):
         # the device loop's plain step as `none` runs it: no drafter to keep up to date
         st, ax = c
-        dev, _ = _plain_step(eng.graphdef, ax.weights[0], every_slot._replace(dev=st),
+        dev, _ = plain_step(eng.graphdef, ax.weights[0], every_slot._replace(dev=st),
                              ax.sampling, ax.keys)
         return dev._replace(cache=dev.cache.rollback(ax.lengths)), ax
 

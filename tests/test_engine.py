@@ -14,7 +14,6 @@ from specjax.drafters import (DraftLMDrafter, DraftOutput, DSparkConfig, DSparkD
                               MTPConfig, MTPDrafter, NGramDrafter, dflash_config, shared_head)
 from specjax.drafters.base import draw
 from specjax.engine import Engine, EngineConfig, Request
-from specjax.engine import online_calibration as oc
 from specjax.models import ModelConfig, init_model
 from specjax.models.config import ModelConfig as _MC
 from specjax.models.generate import generate
@@ -233,8 +232,8 @@ def test_temperature1_engine_with_scheduler_is_lossless(target, policy, draft_s,
         gaps = np.diff(np.flatnonzero(drafted))
         assert gaps.max() <= cfg.scheduler.explore_every, gaps.max()
     if calibrate:  # the calibration saw verified drafts and moved the confidences
-        rho = np.asarray(oc.ratios(engine._carry.cal_acc, engine._carry.cal_pred))
-        assert float(np.sum(engine._carry.cal_pred)) > 10 and np.all(np.abs(rho - 1) > 1e-3), rho
+        rho, _, pred = engine.calibration_state()
+        assert float(np.sum(pred)) > 10 and np.all(np.abs(rho - 1) > 1e-3), rho
     joint12, marg3 = _exact_first_tokens(target, prompt)
     c12 = np.zeros((V, V))
     np.add.at(c12, (toks[:, 0], toks[:, 1]), 1)

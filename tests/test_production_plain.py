@@ -20,7 +20,7 @@ from test_engine import CFG, _drafter, _greedy_reference, target  # noqa: E402,F
 
 from specjax.drafters.base import Sampling  # noqa: E402
 from specjax.engine import Engine, EngineConfig, Request  # noqa: E402
-from specjax.engine.device_loop import _plain_step, init_loop_state  # noqa: E402
+from specjax.engine.device_loop import plain_step, init_loop_state  # noqa: E402
 from specjax.engine.steps import verify_core  # noqa: E402
 from specjax.scheduling import SchedulerConfig, SPSProfile  # noqa: E402
 
@@ -53,7 +53,7 @@ def test_plain_step_commits_the_drafter_like_a_verification_of_no_drafts(target,
     keys = eng._slot_keys(0)
     state = eng.state
     ls = init_loop_state(state, s, 3, 4)._replace(active=jnp.asarray(active))
-    plain, tok = jax.jit(lambda ls: _plain_step(eng.graphdef, eng.target_state, ls, greedy, keys,
+    plain, tok = jax.jit(lambda ls: plain_step(eng.graphdef, eng.target_state, ls, greedy, keys,
                                                 eng.drafter, eng.params, eng.frozen))(ls)
     nd = jnp.where(jnp.asarray(active), 0, -1)
     drafts = jnp.zeros((s, 3), jnp.int32)

@@ -159,7 +159,7 @@ def _emit(ls: LoopState, tokens, n_tok, stop_tokens, spec: LoopSpec):
     return ls.active & ~done, remaining, out, ls.out_len + n_out, done
 
 
-def _plain_step(target_graphdef, target_state, ls: LoopState, sampling, keys, drafter=None,
+def plain_step(target_graphdef, target_state, ls: LoopState, sampling, keys, drafter=None,
                 params=None, frozen=None):
     """One dense decode step for every active slot: policy "none", and production's steps that
     do not draft (with ``drafter``: its state is committed as after a verification of no drafts).
@@ -271,7 +271,7 @@ def run_loop(target_graphdef: nnx.GraphDef, target_state, drafter, params, froze
         active = ls.active
         keys = slot_keys(seeds, ls.steps, VERIFY_SALT)
         if spec.policy == "none":
-            dev, tokens = _plain_step(target_graphdef, target_state, ls, sampling, keys)
+            dev, tokens = plain_step(target_graphdef, target_state, ls, sampling, keys)
             n_acc = jnp.zeros_like(ls.remaining)
             ell = jnp.where(active, 0, -1)
             drew = jnp.bool_(False)
@@ -302,7 +302,7 @@ def run_loop(target_graphdef: nnx.GraphDef, target_state, drafter, params, froze
                                          cap)
 
             def plain(step):
-                dev2, tok = _plain_step(target_graphdef, target_state, ls._replace(dev=step[0]),
+                dev2, tok = plain_step(target_graphdef, target_state, ls._replace(dev=step[0]),
                                         sampling, keys, drafter, params, frozen)
                 return (dev2, step[1].at[:, :1].set(tok)) + step[2:]
 

@@ -48,6 +48,7 @@ from flax import nnx
 from specjax import scheduling
 from specjax.drafters.base import Sampling
 from specjax.engine.device_driver import DeviceLoopMixin
+from specjax.engine import online_calibration as oc
 from specjax.engine.device_loop import slot_keys
 from specjax.engine.host_loop import HostLoopMixin
 from specjax.engine.requests import (CONFIDENCE_POLICIES, EngineConfig, LoopStats, Request, Result,
@@ -277,6 +278,16 @@ class Engine(HostLoopMixin, DeviceLoopMixin):
 
     def has_work(self) -> bool:
         return bool(self.queue) or self.num_active > 0
+
+    def calibration_state(self) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Online calibration (``EngineConfig.online_calibration``): ``(rho, accepted, predicted)``,
+        each float ``[γ]`` — the per-position ratios the confidence policies multiply the raw
+        confidences by (1 = already calibrated; specjax/engine/online_calibration.py) and the
+        decayed sums they come from. None when calibration is off or no device-loop call ran."""
+        if not self.config.online_calibration or self._carry is None:
+            return None
+        acc, pred = self._carry.cal_acc, self._carry.cal_pred
+        return np.asarray(oc.ratios(acc, pred)), np.asarray(acc), np.asarray(pred)
 
     def step(self) -> Union[StepStats, LoopStats, None]:
         """Admits, then runs one host step (``loop="host"``: drafts, schedules, verifies, emits) or

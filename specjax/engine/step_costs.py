@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import scheduling
-from specjax.engine.device_loop import LoopSpec, _plain_step, bucketed_verify, init_loop_state
+from specjax.engine.device_loop import LoopSpec, plain_step, bucketed_verify, init_loop_state
 from specjax.engine.steps import DeviceState
 
 
@@ -137,7 +137,7 @@ def profile_steps(eng, context: int) -> tuple[dict, tuple]:
         st, ax = carry
         ts, p, f = ax.weights
         ls = ls0._replace(dev=st, active=jnp.ones((s,), bool))
-        dev, _ = _plain_step(eng.graphdef, ts, ls, ax.sampling, ax.keys, d, p, f)
+        dev, _ = plain_step(eng.graphdef, ts, ls, ax.sampling, ax.keys, d, p, f)
         return dev._replace(cache=dev.cache.rollback(ax.lengths)), ax
 
     fns = {f"verify/{b}": verify for b in buckets}
