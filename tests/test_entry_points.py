@@ -24,14 +24,15 @@ BENCH = pytest.mark.xdist_group("quick_benchmarks")
 @pytest.fixture(scope="session")
 def repro(tiny_runs, tmp_path_factory):
     """``experiments.reproduce --mode tiny --parts dspark`` on the session's tiny target, made
-    smaller still: the DSpark-Markov drafter only, one step per drafter, 2 rows x 2 anchors. Run
+    smaller still: the DSpark-Markov drafter only, one step per drafter, 2 rows x 2 anchors, two
+    training seeds (the second mostly loads the first one's compiled programs). Run
     once per pytest run (``_shared_once.py``), next to the tiny runs it reads."""
     def build(base):
         run_module(tiny_runs.env, "experiments.reproduce", "--mode", "tiny", "--parts", "dspark",
                    "--workdir", base / "work", "--results_dir", base / "results",
                    "--target_workdir", tiny_runs.target, "--dspark_drafters", "dspark_markov",
                    "--dspark_steps", 1, "--draft_lm_steps", 1, "--dspark_eval_rows", 2,
-                   "--dspark_anchors", 2, timeout=900)
+                   "--dspark_anchors", 2, "--dspark_seeds", 2, timeout=900)
     base = build_once(tmp_path_factory, "tiny_runs_repro", build)
     return base / "work", base / "results"
 
@@ -68,12 +69,20 @@ def test_reproduce_dspark_part_tiny(repro):
             assert cell.endswith("@7")
             assert 1.0 <= m["tau"] <= 8.0, (label, cell, m)  # accepted + 1 per step, γ = 7
     assert "dspark_markov_g7" in summary["dspark"]["calibration"]
+    # two training seeds: seed 1 under its own run name, pooled in the table and the calibration
+    assert summary["dspark"]["seeds"] == 2
+    for label in ("DSpark-Markov", "draft LM"):
+        assert {m["n_seeds"] for m in table[label].values()} == {2}, label
+    assert {m["n_seeds"] for m in table["n-gram"].values()} == {1}  # nothing to train
+    over = summary["dspark"]["calibration_over_seeds"]
+    assert set(over) == {"dspark_markov_g7"} and over["dspark_markov_g7"]["n_seeds"] == 2
+    assert "dspark_markov_g7_s1" in summary["dspark"]["calibration"]
     for name in ("summary.md", "summary.json", "dspark_g7/results.json",
                  "dspark_g7/calibration_dspark_markov_g7.json",
                  "dspark_g7/traces_dspark_markov_g7.npz"):
         assert (results / name).exists(), name
     # every drafter run of the driver wrote its event file
-    for run in ("dspark_markov_g7", "draft_lm"):
+    for run in ("dspark_markov_g7", "draft_lm", "dspark_markov_g7_s1", "draft_lm_s1"):
         assert "train/loss" in tb.read_scalars(str(work / "drafters" / run)), run
 
 
