@@ -42,3 +42,26 @@ def test_clustered_errors_are_in_the_committed_results():
     e2e = summary["bebop"]["table_vs_kl"]["e2e_tv"]["all"]
     assert e2e["n_seeds"] >= 3 and e2e["delta_se"] >= max(e2e["delta_se_seeds"],
                                                           e2e["delta_se_rows"])
+
+
+SEEDS = os.path.join(os.path.dirname(FULL), "dspark_seeds")
+
+
+def test_quoted_three_seed_dspark_numbers_match_the_committed_results():
+    """docs/RESULTS.md parts 2-3 quote the three-seed DSpark run: the Markov-vs-DFlash gain per
+    seed, the predicted-τ misses, and the calibration means over seeds."""
+    summary = json.load(open(os.path.join(SEEDS, "summary.json")))
+    assert summary["dspark"]["seeds"] == 3
+    table = summary["dspark"]["table"]
+    for g, gains in ((7, [17.9, 15.7, 15.9]), (15, [25.7, 23.4, 21.6])):
+        a, b = (table[k][f"all@{g}"]["tau_per_seed"] for k in ("DFlash", "DSpark-Markov"))
+        assert [round(100 * (y / x - 1), 1) for x, y in zip(a, b)] == gains, g
+    assert all(m["n_seeds"] == 3 for lab in ("DFlash", "DSpark-Markov", "DSpark-RNN", "draft LM",
+                                             "MTP (CE, recursive)") for m in table[lab].values())
+    for part, expected in (("dspark_g7", (10, 64, 0.10)), ("dspark_g15", (23, 64, 0.17))):
+        miss, n, worst, _ = A.tau_misses(json.load(open(os.path.join(SEEDS, part, "results.json"))))
+        assert (miss, n, round(worst, 2)) == expected, part
+    over = summary["dspark"]["calibration_over_seeds"]
+    worst_after = {k: round(100 * max(v["ece_after"]), 1) for k, v in over.items()}
+    assert worst_after == {"dspark_markov_g7": 3.8, "dspark_rnn_g7": 4.1,
+                           "dspark_markov_g15": 5.1, "dspark_rnn_g15": 7.6}
