@@ -44,10 +44,9 @@ import numpy as np
 
 from specjax.paths import portable_argv, portable_path
 
-from experiments.reproduce_tables import (DOMAINS, LOSS_NAMES, bebop_delta_markdown,  # noqa: F401
-                                         bebop_markdown, bebop_table, calibration_over_seeds,
-                                         calibration_seeds_markdown, dspark_markdown,
-                                         dspark_table, seed_name)
+from experiments.reproduce_tables import (bebop_delta_markdown, bebop_markdown, bebop_table,
+                                         calibration_over_seeds, calibration_seeds_markdown,
+                                         dspark_markdown, dspark_table, seed_name)
 
 BEBOP_LOSSES = ("ce", "kl", "rkl", "tv", "e2e_tv")
 
@@ -305,6 +304,11 @@ def variant_of(drafter: str, gamma: int) -> str:
     return drafter + (f"_g{gamma}" if gamma != 7 else "")
 
 
+def dspark_run_name(drafter: str, gamma: int) -> str:
+    """Seed-0 run name of a DSpark-table drafter ("dspark_markov", 7 -> "dspark_markov_g7")."""
+    return f"dspark_{drafter}_g{gamma}".replace("dspark_dspark_", "dspark_")
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description="Reproduce Bebop Table 2 / DSpark Table 1 / Fig. 6.")
     p.add_argument("--mode", choices=sorted(MODES), default="tiny")
@@ -412,7 +416,7 @@ def main(argv=None) -> dict:
         for s in range(mode.dspark_seeds):
             for g in mode.dspark_gammas:
                 for v in mode.dspark_drafters:
-                    name = seed_name(f"dspark_{v}_g{g}".replace("dspark_dspark_", "dspark_"), s)
+                    name = seed_name(dspark_run_name(v, g), s)
                     c = drafter_config(mode, variant_of(v, g), steps=mode.dspark_steps, seed=s,
                                        **common)
                     c.task.gamma = g
@@ -433,23 +437,26 @@ def main(argv=None) -> dict:
         res_all, cal = {}, {}
         labels = {"DFlash": {}, "DSpark-Markov": {}, "DSpark-RNN": {}, "MTP (CE, recursive)": {},
                   "draft LM": {}, "n-gram": {}}
+        # the baselines are trained once per seed and evaluated at every γ: load them once
+        mtp_loaded = {s: OE.load_trained(wd, target[1]) for s, wd in mtp.items()}
+        draft_lms = {s: OE.load_trained(truns[seed_name("draft_lm", s)], target[1])
+                     for s in range(mode.dspark_seeds)}
         for g in mode.dspark_gammas:
             drafters = {}
             for v in mode.dspark_drafters:
-                name = f"dspark_{v}_g{g}".replace("dspark_dspark_", "dspark_")
+                name = dspark_run_name(v, g)
                 label = {"dflash": "DFlash", "dspark_markov": "DSpark-Markov",
                          "dspark_rnn": "DSpark-RNN"}[v]
                 labels[label][g] = name
                 for s in range(mode.dspark_seeds):
                     drafters[seed_name(name, s)] = OE.load_trained(truns[seed_name(name, s)],
                                                                    target[1])
-            for s, wd in mtp.items():
-                drafters[seed_name(f"mtp_g{g}", s)] = OE.load_trained(wd, target[1])
+            for s, loaded in mtp_loaded.items():
+                drafters[seed_name(f"mtp_g{g}", s)] = loaded
             if mtp:
                 labels["MTP (CE, recursive)"][g] = f"mtp_g{g}"
-            for s in range(mode.dspark_seeds):
-                drafters[seed_name(f"draft_lm_g{g}", s)] = OE.load_trained(
-                    truns[seed_name("draft_lm", s)], target[1])
+            for s, loaded in draft_lms.items():
+                drafters[seed_name(f"draft_lm_g{g}", s)] = loaded
             labels["draft LM"][g] = f"draft_lm_g{g}"
             drafters[f"ngram_g{g}"] = (NGramDrafter(vocab, max_ngram=3), None, None, g)
             labels["n-gram"][g] = f"ngram_g{g}"

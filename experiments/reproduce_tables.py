@@ -215,10 +215,11 @@ def calibration_over_seeds(cal: dict, seeds: int) -> dict:
     ECE on the scored half, before / after STS) and ``ece_cond_before`` / ``ece_cond_after``
     (conditional ECE)."""
     keys = ("ece_before", "ece_after", "ece_cond_before", "ece_cond_after")
+    later = {seed_name(b, s) for b in cal for s in range(1, seeds)}  # runs of seeds ≥ 1
     out = {}
     for base in cal:
-        if any(base == seed_name(b, s) for b in cal for s in range(1, seeds)):
-            continue  # a later seed of another entry
+        if base in later:
+            continue
         runs = [cal[n] for n in (seed_name(base, s) for s in range(seeds)) if cal.get(n)]
         if not runs:
             continue
