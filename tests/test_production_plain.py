@@ -30,7 +30,7 @@ def _prefilled_engine(target, kind, slots=2):
     eng = Engine(target, d, p, f, EngineConfig(num_slots=slots, max_len=32, gamma=3,
                                                prefill_buckets=(8,), loop="device",
                                                scheduler=SchedulerConfig("fixed", k=3)))
-    eng.warmup(profile=False)
+    # No warmup(): these tests call the step functions directly, never the compiled loop.
     eng.submit(Request(prompt=[3, 1, 4, 1, 5], max_new_tokens=8))
     eng._admit()
     return eng

@@ -85,13 +85,15 @@ class OnlineDrafterUpdate:
         self.optimizer = optax.chain(optax.clip_by_global_norm(max_grad_norm),
                                      optax.adam(learning_rate))
         self._step = jax.jit(functools.partial(_step, self), static_argnames=("graphdef",))
+        # jitted too: run eagerly, the loss dispatched (and compiled) every op of both models
+        self._loss = jax.jit(functools.partial(_loss, self), static_argnames=("graphdef",))
 
     def init(self, params):
         return self.optimizer.init(params)
 
     def loss_and_metrics(self, params, graphdef, target_state, rows, valid):
         """``(loss, {"loss", "alpha_mean"})`` of the drafter on ``rows`` (no update)."""
-        return _loss(self, params, graphdef, target_state, rows, valid)
+        return self._loss(params, graphdef, target_state, rows, valid)
 
     def step(self, params, opt_state, graphdef, target_state, rows, valid):
         """One optimizer step.
