@@ -103,7 +103,10 @@ def study_engine_config(p, method: str, gamma=None):
         num_slots=p["num_slots"], max_len=p["max_prompt_length"] + p["max_new_tokens"] + gamma + 2,
         gamma=gamma, method="rejection" if method == "none" else method,
         prefill_buckets=(32, 128) if p["max_prompt_length"] > 32 else (32,),
-        scheduler=SchedulerConfig("fixed", k=gamma), overlap=False)
+        scheduler=SchedulerConfig("fixed", k=gamma), overlap=False,
+        # the study samples at a temperature alone: no top-k / top-p sort over the vocabulary in
+        # the loop (it made every rollout about 2.4x slower and changes no token)
+        filters=False)
 
 
 def run_arm(arm: dict, seed: int, p, model, tok, drafter, dparams, workdir: str) -> dict:

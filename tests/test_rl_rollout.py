@@ -69,12 +69,13 @@ def _model(seed, scale):
     return m
 
 
-def _rollout(model, method="rejection", **kw):
+def _rollout(model, method="rejection", filters=True, **kw):
     d, p = MTPDrafter.create(CFG, MTPConfig(), seed=3)
     # 32 slots and one verification bucket: few steps and few compilations
     ec = EngineConfig(num_slots=32, max_len=16, gamma=GAMMA, prefill_buckets=(4,),
                       token_buckets=(32 * (GAMMA + 1),),
-                      scheduler=SchedulerConfig("fixed", k=GAMMA), overlap=False, method=method)
+                      scheduler=SchedulerConfig("fixed", k=GAMMA), overlap=False, method=method,
+                      filters=filters)
     rc = RolloutConfig(max_tokens_to_generate=NEW, max_prompt_length=4, temperature=1.0,
                        eos_tokens=[99])
     return SpeculativeRollout(rollout_actor=TunixPolicy(model), tokenizer=IdTokenizer(),
@@ -111,7 +112,9 @@ def _counts(rollout, n, rc):
                                           ("target_only", None)])
 def test_rollouts_follow_the_updated_policy(method, top_p):
     old, new = _model(1, 6.0), _model(2, 6.0)
-    rollout = _rollout(old, method)
+    # without top-p the engine runs without the filters, as the RL study's and the default
+    # rollout engine do
+    rollout = _rollout(old, method, filters=top_p is not None)
     rc = RolloutConfig(max_tokens_to_generate=NEW, max_prompt_length=4, temperature=1.0,
                        top_p=top_p if top_p else 1.0, eos_tokens=[99], seed=11)
     _counts(rollout, 16, rc)  # serve the old policy first (its state must not linger)
@@ -222,6 +225,27 @@ def test_refuses_knobs_it_cannot_honour():
     with pytest.raises(ValueError, match="max_prompt_length"):
         rollout.generate(["3 0 2 1 1"], RolloutConfig(max_prompt_length=4,
                                                       max_tokens_to_generate=2))
+
+
+def test_default_engine_compiles_filters_only_when_asked():
+    """The default engine config has top-k / top-p filters exactly when the rollout config asks
+    for them; a later call asking for them on a filter-less engine is refused, not ignored."""
+    d, p = MTPDrafter.create(CFG, MTPConfig(), seed=3)
+
+    def make(**rc_kw):
+        rc = RolloutConfig(max_tokens_to_generate=NEW, max_prompt_length=4, temperature=1.0,
+                           eos_tokens=[99], **rc_kw)
+        return SpeculativeRollout(rollout_actor=TunixPolicy(_model(1, 6.0)),
+                                  tokenizer=IdTokenizer(), rollout_config=rc, drafter=d,
+                                  drafter_params=p)
+
+    assert not make().engine.config.filters
+    assert make(top_p=0.9).engine.config.filters
+    assert make(top_k=5).engine.config.filters
+    plain = make()
+    with pytest.raises(ValueError, match="filters=False"):
+        plain.generate(["3 0 2"], RolloutConfig(max_tokens_to_generate=NEW, max_prompt_length=4,
+                                                temperature=1.0, top_p=0.5, eos_tokens=[99]))
 
 
 def _result(tokens, sizes):
