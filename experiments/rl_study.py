@@ -15,6 +15,9 @@ r"""The RL study (docs/RL.md): pre-RL drafter adaptation, then GRPO arms with sp
 3. **Analysis** (``experiments/rl_study_report.py``): ``study.json`` and the figures.
 
 Every finished cell / arm writes its own JSON; re-running skips them (resume per arm).
+``--set arms=`` runs the adaptation alone; ``--set head_seed=1`` trains every head with another
+seed (initialisation and order of the rows; the rows themselves stay the same), which is how the
+spread of the adaptation gains between training seeds is measured.
 tiny: a random tiny target, 2 RL steps, one seed (a smoke run: its numbers mean nothing).
 """
 from __future__ import annotations
@@ -40,20 +43,20 @@ MODES = {
                  temps=(1.0,), drafter_steps=2, drafter_batch=8, n_rows=8, rl_steps=2, seeds=(0,),
                  eval_every=1, n_train=32, n_heldout=4, prompts_per_step=2, num_generations=2,
                  max_new_tokens=8, max_prompt_length=96, num_slots=4, learning_rate=1e-3,
-                 drafter_lr=1e-3, problem_seed=1234),
+                 drafter_lr=1e-3, problem_seed=1234, head_seed=0),
     "small": dict(preset="tiny", warm_start=True, arms=ARM_NAMES,
                   losses=("ce", "kl", "tv", "e2e_tv"), gammas=(3, 5), caps=(64, 256),
                   temps=(0.6, 1.0), drafter_steps=100, drafter_batch=8, n_rows=128, rl_steps=20,
                   seeds=(0, 1, 2), eval_every=5, n_train=256, n_heldout=32, prompts_per_step=4,
                   num_generations=4, max_new_tokens=32, max_prompt_length=96, num_slots=16,
-                  learning_rate=1e-4, drafter_lr=1e-4, problem_seed=1234),
+                  learning_rate=1e-4, drafter_lr=1e-4, problem_seed=1234, head_seed=0),
     "full": dict(preset="small", warm_start=True, arms=ARM_NAMES,
                  losses=("ce", "kl", "tv", "e2e_tv"), gammas=(3, 5, 7),
                  caps=(128, 256, 768), temps=(0.6, 1.0, 1.2), drafter_steps=300, drafter_batch=16,
                  n_rows=1024, rl_steps=100, seeds=(0, 1, 2), eval_every=10, n_train=2000,
                  n_heldout=200, prompts_per_step=8, num_generations=4, max_new_tokens=64,
                  max_prompt_length=96, num_slots=32, learning_rate=1e-5, drafter_lr=1e-4,
-                 problem_seed=1234),
+                 problem_seed=1234, head_seed=0),
 }
 
 
@@ -70,7 +73,9 @@ def parse_overrides(items) -> dict:
             raise ValueError(f"--set wants key=value with key in {sorted(ref)}, got {item!r}")
         default = ref[key]
         try:
-            if isinstance(default, tuple):
+            if key == "arms" and not raw.strip():
+                out[key] = ()  # no arms: the pre-RL adaptation (and its gains) only
+            elif isinstance(default, tuple):
                 kind = type(default[0])
                 out[key] = tuple(kind(v) for v in raw.split(",") if v.strip())
                 if not out[key]:
@@ -90,6 +95,9 @@ def parse_overrides(items) -> dict:
 # Parameters that choose which finished results to use, not how they were produced: a workdir
 # resumes with other values of these.
 SELECTION_KEYS = ("arms", "overrides")
+# Parameters added after studies had been run, with the value those studies used: a workdir
+# whose params.json predates a key resumes as if it had recorded this value.
+LATER_KEYS = {"head_seed": 0}
 
 
 def mode_params(mode: str, overrides: dict | None = None) -> dict:
@@ -199,6 +207,9 @@ def run_adaptation(p, model, tok, target_workdir, workdir) -> list[dict]:
         c.model.preset = p["preset"]
         c.model.overrides = {"vocab_size": model.config.vocab_size}
         c.task.target_workdir, c.task.target_seed = target_workdir, 0
+        # a second training seed of the same cell: another init and another order of the rows
+        c.seed += p["head_seed"]
+        c.data.seed += p["head_seed"]
         c.task.data_file, c.task.eval_file = files["train"], files["eval"]
         c.task.gamma, c.task.mtp.intermediate_size = cell["gamma"], cell["cap"]
         c.task.target_temperature = cell["temp"]
@@ -295,7 +306,7 @@ def _check_workdir_params(workdir: str, p: dict) -> None:
     if os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
-        old = {k: v for k, v in old.items() if k not in SELECTION_KEYS}
+        old = {k: v for k, v in {**LATER_KEYS, **old}.items() if k not in SELECTION_KEYS}
         if old != {k: v for k, v in mine.items() if k not in SELECTION_KEYS}:
             diff = sorted(k for k in set(old) | set(mine) if old.get(k) != mine.get(k))
             raise ValueError(f"{workdir} holds a study with other parameters ({', '.join(diff)});"

@@ -133,6 +133,24 @@ def write_figures(summary: dict, out_dir: str, tag: str) -> list[str]:
         plt.close(fig)
         paths.append(path)
 
+    if arms:  # a study run with no arms (``--set arms=``) has only the adaptation figure
+        _arm_figures(arms, save, plt)
+    # pre-RL adaptation: accept rate per loss across the sweep cells
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    cells = summary["adaptation"]
+    keys = sorted({(c["gamma"], c["cap"], c["temp"]) for c in cells})
+    for loss in sorted({c["loss"] for c in cells}):
+        v = {(c["gamma"], c["cap"], c["temp"]): c["accept_rate"] for c in cells if c["loss"] == loss}
+        ax.plot(range(len(keys)), [v.get(k, np.nan) for k in keys], "o-", label=loss)
+    ax.set_xticks(range(len(keys)), [f"γ{g} c{c} T{t}" for g, c, t in keys], rotation=30,
+                  fontsize=7)
+    ax.set_ylabel("held-out RS accept rate"), ax.legend(fontsize=7)
+    save(fig, "adaptation")
+    return paths
+
+
+def _arm_figures(arms: dict, save, plt) -> None:
+    """The analogues of Bebop's Fig. 3, 6, 8, 9a and 7 (one PNG each, through ``save``)."""
     spec = [n for n in arms if arms[n]["per_seed"] and arms[n]["per_seed"][0] is not None]
     # Fig. 3: eq. 16 decomposition (first seed)
     fig, axes = plt.subplots(1, max(1, len(spec)), figsize=(3.2 * max(1, len(spec)), 2.8),
@@ -175,18 +193,6 @@ def write_figures(summary: dict, out_dir: str, tag: str) -> list[str]:
     ax.bar(x + 0.2, [arms[n]["step_s"][0] for n in names], 0.4, label="step")
     ax.set_xticks(x, names, rotation=30, fontsize=7), ax.set_ylabel("seconds"), ax.legend()
     save(fig, "fig7_latency")
-    # pre-RL adaptation: accept rate per loss across the sweep cells
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    cells = summary["adaptation"]
-    keys = sorted({(c["gamma"], c["cap"], c["temp"]) for c in cells})
-    for loss in sorted({c["loss"] for c in cells}):
-        v = {(c["gamma"], c["cap"], c["temp"]): c["accept_rate"] for c in cells if c["loss"] == loss}
-        ax.plot(range(len(keys)), [v.get(k, np.nan) for k in keys], "o-", label=loss)
-    ax.set_xticks(range(len(keys)), [f"γ{g} c{c} T{t}" for g, c, t in keys], rotation=30,
-                  fontsize=7)
-    ax.set_ylabel("held-out RS accept rate"), ax.legend(fontsize=7)
-    save(fig, "adaptation")
-    return paths
 
 
 def _pm(ms, scale=1.0, fmt=".2f"):
@@ -217,7 +223,7 @@ def study_markdown(summary: dict) -> str:
         lines.append(f"| {c['loss']} | {c['gamma']} | {c['cap']} | {c['temp']} | "
                      f"{c['accept_rate']:.4f} | {' '.join(f'{a:.3f}' for a in c['alpha'])} |")
     gains = summary.get("adaptation_paired_gains") or {}
-    if gains:
+    if any(gains.values()):
         lines += ["", "**Paired gains** (points, ± s.e. clustered by held-out row):", "",
                   "| comparison | γ | capacity | T | gain | rows |", "|---|---|---|---|---|---|"]
         for name, rows in gains.items():
@@ -225,6 +231,8 @@ def study_markdown(summary: dict) -> str:
                 lines.append(f"| {name.replace('_vs_', ' over ')} | {g['gamma']} | {g['cap']} | "
                              f"{g['temp']} | {g['gain_points']:+.2f} ± {g['gain_se_points']:.2f} "
                              f"| {g['rows']} |")
+    if not summary["arms"]:  # adaptation only (``--set arms=``)
+        return "\n".join(lines) + "\n"
     lines += ["", "**GRPO arms** (series: mean over seeds, first → last step; "
               "± s.e. over seeds):", "",
               "| arm | acceptance | fitted drift (points) | entropy | slope b | τ | "

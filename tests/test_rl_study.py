@@ -63,6 +63,11 @@ def test_online_drafter_update_lowers_its_loss():
         last = float(upd.loss_and_metrics(p, graphdef, state, rows, valid)[0])
         assert last < first, (loss, first, last)
         assert jax.tree.structure(p) == jax.tree.structure(params)
+    # the evaluation takes what step takes: int64 rows and a 0/1 mask give the same program
+    again = upd.loss_and_metrics(p, graphdef, state, rows.astype(np.int64), valid.astype(np.int8))
+    assert float(again[0]) == last
+    with pytest.raises(ValueError, match="rows and valid"):
+        upd.loss_and_metrics(p, graphdef, state, rows, valid[:, :-1])
     with pytest.raises(ValueError):
         OnlineDrafterUpdate(drafter, "rkl", learning_rate=1e-3, gamma=2)
 
@@ -124,6 +129,39 @@ def test_study_overrides_are_typed_and_checked(tmp_path):
     # choosing a subset of the arms does not change how the finished ones were produced
     sub = S.parse_overrides(["arms=no_spec,rs_e2e_tv"])
     S._check_workdir_params(str(tmp_path), S.mode_params("small", dict(o, **sub)))
+    # "arms=" is the adaptation alone; an empty list of anything else is still an error
+    assert S.parse_overrides(["arms="]) == {"arms": ()}
+    S._check_workdir_params(str(tmp_path), S.mode_params("small", dict(o, arms=())))
+    # a second training seed of the heads is another study
+    assert S.parse_overrides(["head_seed=1"]) == {"head_seed": 1}
+    with pytest.raises(ValueError, match="head_seed"):
+        S._check_workdir_params(str(tmp_path), S.mode_params("small", dict(o, head_seed=1)))
+    # a params.json written before head_seed existed resumes as head_seed = 0
+    old = tmp_path / "old"
+    S._check_workdir_params(str(old), p)
+    stored = json.loads((old / "params.json").read_text())
+    del stored["head_seed"]
+    (old / "params.json").write_text(json.dumps(stored))
+    S._check_workdir_params(str(old), p)
+    with pytest.raises(ValueError, match="head_seed"):
+        S._check_workdir_params(str(old), S.mode_params("small", dict(o, head_seed=2)))
+
+
+def test_adaptation_only_summary_has_no_arm_tables_or_figures(tmp_path):
+    """``--set arms=``: the summary, its markdown and its figures hold the adaptation alone."""
+    pytest.importorskip("matplotlib")
+    from experiments import rl_study as S
+    from experiments.rl_study_report import study_markdown, summarize, write_figures
+    p = S.mode_params("small", {"arms": ()})
+    adapt = [dict(loss=loss, gamma=3, cap=64, temp=1.0, accept_rate=a, alpha=[a, a, a])
+             for loss, a in (("kl", 0.75), ("e2e_tv", 0.78))]
+    s = summarize(p, adapt, [])
+    assert s["arms"] == {} and s["claims"] == {}
+    assert s["adaptation_gain_e2e_tv_vs_kl"][0]["gain_points"] == pytest.approx(3.0)
+    md = study_markdown(s)
+    assert "| e2e_tv | 3 | 64 | 1.0 | 0.7800 |" in md and "GRPO arms" not in md
+    paths = write_figures(s, str(tmp_path), "t")
+    assert [os.path.basename(x) for x in paths] == ["adaptation_t.png"]
 
 
 def test_summary_claims_on_synthetic_arms():
@@ -195,3 +233,33 @@ def test_rollout_check_statistics():
     assert shifted["mean_entropy"]["ks_pvalue"] < 1e-6 and shifted["mean_logp"]["ks_pvalue"] < 1e-6
     assert shifted["logp_per_token"]["a"][0] == pytest.approx(-1.0)
     assert shifted["logp_per_token"]["b"][0] == pytest.approx(-1.2)
+
+
+def test_rollout_speed_benchmark_measures_every_decoder():
+    """``benchmarks/rl_rollout_speed.py`` on a tiny random policy: every decoder ran each rep, the
+    speculative engine's τ is a real tokens-per-step figure, and the speed-ups and the bound are
+    the ratios of the timings it recorded."""
+    pytest.importorskip("tunix")
+    from benchmarks.rl_rollout_speed import measure
+    from specjax.drafters import MTPConfig, MTPDrafter
+    from specjax.models import ModelConfig, init_model
+    cfg = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8)
+    model = init_model(cfg, seed=0)
+    drafter, params = MTPDrafter.create(cfg, MTPConfig(), seed=1)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 32, size=int(n)).tolist() for n in (3, 5, 4, 6)]
+    r = measure(model, drafter, params, prompts, eos_id=0, gamma=2, new_tokens=6,
+                max_prompt_length=8, temperature=1.0, reps=1, cost_reps=1)
+    d = r["decoders"]
+    assert set(d) == {"generate", "engine_none", "spec", "spec_filters"}
+    for name, x in d.items():
+        assert len(x["walls"]) == 1 and all(4 <= t <= 4 * 6 for t in x["tokens"]), name
+    assert 1.0 <= d["spec"]["tau"] <= 3.0  # γ = 2
+    base = d[r["baseline"]]["tokens_per_s"]
+    assert r["baseline"] in ("generate", "engine_none")
+    assert d["spec"]["speedup"] == pytest.approx(d["spec"]["tokens_per_s"] / base)
+    c = r["step_costs"]
+    assert r["bound"] == pytest.approx(d["spec"]["tau"] * c["plain_s"] /
+                                       (c["draft_s"] + c["verify_s"]))
+    assert r["measured_over_bound"] == pytest.approx(d["spec"]["speedup"] / r["bound"])

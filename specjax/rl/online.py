@@ -92,7 +92,9 @@ class OnlineDrafterUpdate:
         return self.optimizer.init(params)
 
     def loss_and_metrics(self, params, graphdef, target_state, rows, valid):
-        """``(loss, {"loss", "alpha_mean"})`` of the drafter on ``rows`` (no update)."""
+        """``(loss, {"loss", "alpha_mean"})`` of the drafter on ``rows`` (no update); the
+        arguments are those of :meth:`step`."""
+        rows, valid = _rows_and_valid(rows, valid)
         return self._loss(params, graphdef, target_state, rows, valid)
 
     def step(self, params, opt_state, graphdef, target_state, rows, valid):
@@ -107,11 +109,16 @@ class OnlineDrafterUpdate:
           ``(params, opt_state, metrics)``; metrics (before the step): ``loss``, ``grad_norm``,
           ``alpha_mean`` (teacher-forced RS acceptance ``1 − TV`` averaged over positions).
         """
-        if rows.ndim != 2 or rows.shape != valid.shape:
-            raise ValueError(f"rows and valid must be equal [B, T], got {rows.shape}, "
-                             f"{valid.shape}")
-        return self._step(params, opt_state, jnp.asarray(rows, jnp.int32),
-                          jnp.asarray(valid, bool), target_state, graphdef=graphdef)
+        rows, valid = _rows_and_valid(rows, valid)
+        return self._step(params, opt_state, rows, valid, target_state, graphdef=graphdef)
+
+
+def _rows_and_valid(rows, valid):
+    """``rows`` as int32 and ``valid`` as bool, both ``[B, T]`` (else a ValueError)."""
+    rows, valid = jnp.asarray(rows, jnp.int32), jnp.asarray(valid, bool)
+    if rows.ndim != 2 or rows.shape != valid.shape:
+        raise ValueError(f"rows and valid must be equal [B, T], got {rows.shape}, {valid.shape}")
+    return rows, valid
 
 
 def _loss(upd, params, graphdef, target_state, rows, valid):
