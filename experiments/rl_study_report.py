@@ -212,9 +212,9 @@ def study_markdown(summary: dict) -> str:
     """The study's tables (adaptation, paired gains, arms, claims) as markdown, every number
     read from ``summary`` (what :func:`summarize` returns, plus ``adaptation_paired_gains``)."""
     p = summary["params"]
-    lines = [f"Mode `{summary['mode']}`, overrides `{p.get('overrides', {})}`; "
-             f"RL γ = {p['gamma']}, temperature {p['temperature']}, {len(p['seeds'])} seed(s), "
-             f"{p['rl_steps']} steps.", "",
+    rl = (f"RL γ = {p['gamma']}, temperature {p['temperature']}, {len(p['seeds'])} seed(s), "
+          f"{p['rl_steps']} steps." if summary["arms"] else "no RL arms (adaptation only).")
+    lines = [f"Mode `{summary['mode']}`, overrides `{p.get('overrides', {})}`; {rl}", "",
              "**Pre-RL adaptation** (held-out teacher-forced RS acceptance):", "",
              "| loss | γ | capacity | T | accept rate | α per position |",
              "|---|---|---|---|---|---|"]

@@ -160,6 +160,7 @@ def test_adaptation_only_summary_has_no_arm_tables_or_figures(tmp_path):
     assert s["adaptation_gain_e2e_tv_vs_kl"][0]["gain_points"] == pytest.approx(3.0)
     md = study_markdown(s)
     assert "| e2e_tv | 3 | 64 | 1.0 | 0.7800 |" in md and "GRPO arms" not in md
+    assert "no RL arms" in md and "seed(s)" not in md
     paths = write_figures(s, str(tmp_path), "t")
     assert [os.path.basename(x) for x in paths] == ["adaptation_t.png"]
 
