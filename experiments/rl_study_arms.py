@@ -105,7 +105,8 @@ def study_engine_config(p, method: str, gamma=None):
         prefill_buckets=(32, 128) if p["max_prompt_length"] > 32 else (32,),
         scheduler=SchedulerConfig("fixed", k=gamma), overlap=False,
         # the study samples at a temperature alone: no top-k / top-p sort over the vocabulary in
-        # the loop (it made every rollout about 2.4x slower and changes no token)
+        # the loop (it made every rollout about 2.1x slower and changes no token:
+        # benchmarks/rl_rollout_speed.py)
         filters=False)
 
 
