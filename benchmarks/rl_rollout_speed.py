@@ -17,7 +17,9 @@ Each decoder runs once untimed (compilation), then ``--reps`` times, alternating
 its own sampling seeds (the same seeds for every decoder); the medians are reported. The speed-up
 of ``spec`` is over the faster plain decoder. Beside it, the analytic bound
 ``τ · t_plain / (t_draft + t_verify)`` from the measured τ and the three steps timed on their own
-inside a jitted loop (``benchmarks/spec_vs_plain.py:_step_costs``), and measured / bound.
+inside a jitted loop (``benchmarks/spec_vs_plain.py:_step_costs``), and measured / bound. The
+engines also report ``prefill_s``: the median time of a rep spent admitting the batch (feeding
+the prompts, :attr:`specjax.engine.Engine.prefill_s`), which the bound leaves out.
 
 Run (a pretrain_target.py workdir and a drafter workdir trained against it, e.g. the RL study's
 e2e-TV head ``<study workdir>/adapt/e2e_tv_g3_c256_t1.0``)::
@@ -45,9 +47,10 @@ from specjax.paths import portable_argv, portable_values
 
 def measure(model, drafter, dparams, prompts: list[list[int]], *, eos_id: int, gamma: int,
             new_tokens: int, max_prompt_length: int, temperature: float, reps: int,
-            cost_reps: int = 3) -> dict:
+            cost_reps: int = 3, prefill_buckets=None) -> dict:
     """Times the four decoders on ``prompts`` (token lists, one per sequence) and returns the
-    medians, speed-ups and the analytic bound (see the module docstring)."""
+    medians, speed-ups and the analytic bound (see the module docstring). ``prefill_buckets``:
+    the engines' prompt chunk sizes instead of the study's."""
     import dataclasses
 
     from benchmarks.spec_vs_plain import _step_costs
@@ -62,6 +65,8 @@ def measure(model, drafter, dparams, prompts: list[list[int]], *, eos_id: int, g
     p = dict(num_slots=len(prompts), max_prompt_length=max_prompt_length,
              max_new_tokens=new_tokens, gamma=gamma)
     cfg = study_engine_config(p, "rejection")
+    if prefill_buckets is not None:
+        cfg = dataclasses.replace(cfg, prefill_buckets=tuple(prefill_buckets))
     head = shared_head(model)
     engines = {
         "engine_none": Engine(model, NGramDrafter(model.config.vocab_size), None, None,
@@ -76,13 +81,14 @@ def measure(model, drafter, dparams, prompts: list[list[int]], *, eos_id: int, g
 
     def run_engine(name, rep):
         eng = engines[name]
-        n0 = len(eng.loop_stats)
+        n0, p0 = len(eng.loop_stats), eng.prefill_s
         res = eng.generate([Request(prompt=pr, max_new_tokens=new_tokens, stop_tokens=(eos_id,),
                                     temperature=temperature, seed=rep * 100_003 + i)
                             for i, pr in enumerate(prompts)])
         toks = sum(len(r.tokens) for r in res)
         return {"tokens": toks, "request_steps": sum(r.steps for r in res),
-                "loop_steps": sum(s.steps for s in eng.loop_stats[n0:])}
+                "loop_steps": sum(s.steps for s in eng.loop_stats[n0:]),
+                "prefill_s": eng.prefill_s - p0}
 
     def run_generate(rep):
         out = generate(model, prompts, new_tokens, temperature=temperature, eos_id=eos_id,
@@ -109,6 +115,7 @@ def measure(model, drafter, dparams, prompts: list[list[int]], *, eos_id: int, g
             steps = sum(r["request_steps"] for r in rs)
             out[name]["tau"] = (sum(r["tokens"] for r in rs) - len(prompts) * len(rs)) / steps
             out[name]["loop_steps"] = [r["loop_steps"] for r in rs]
+            out[name]["prefill_s"] = statistics.median(r["prefill_s"] for r in rs)
     base = max(("generate", "engine_none"), key=lambda n: out[n]["tokens_per_s"])
     for name in ("spec", "spec_filters", "engine_none"):
         out[name]["speedup"] = out[name]["tokens_per_s"] / out[base]["tokens_per_s"]
@@ -132,6 +139,8 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--problem-seed", type=int, default=1234, help="the RL study's split")
     ap.add_argument("--out", default="benchmarks/results/rl_rollout_speed.json")
+    ap.add_argument("--prefill-buckets", default="",
+                    help="comma-separated prompt chunk sizes for the engines (default: the study's)")
     ap.add_argument("--quick", action="store_true", help="2 prompts x 2, 8 tokens, one rep")
     args = ap.parse_args(argv)
     if args.quick:
@@ -151,7 +160,9 @@ def main(argv=None) -> None:
     r = measure(model, drafter, dparams, prompts, eos_id=tok.eos_id,
                 gamma=dtask.gamma, new_tokens=args.new_tokens,
                 max_prompt_length=args.max_prompt_length, temperature=args.temperature,
-                reps=args.reps)
+                reps=args.reps,
+                prefill_buckets=[int(b) for b in args.prefill_buckets.split(",")]
+                if args.prefill_buckets else None)
     r = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                      "backend": jax.default_backend()},
          "config": portable_values(vars(args)), "argv": portable_argv(sys.argv[1:]),

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -59,6 +60,57 @@ def pick_bucket(buckets: Sequence[int], num_tokens: int) -> int:
     if i == len(buckets):
         raise ValueError(f"{num_tokens} tokens exceed the largest bucket {buckets[-1]}")
     return buckets[i]
+
+
+def plan_chunks(buckets: Sequence[int], num_tokens: int, *, call_cost: float = 0.0) -> list[int]:
+    """Chunk buckets that feed ``num_tokens`` prompt tokens at the least cost.
+
+    A call at bucket C costs ``C + call_cost`` (its padded positions plus a fixed price per call,
+    in positions); the plan minimises the total, then the number of calls, then puts the largest
+    chunk first. Each chunk but the last is full. Examples with buckets (8, 16, 32, 64, 128): 35
+    tokens -> [32, 8] (40 positions, where the smallest bucket that holds 35 would pad to 64);
+    200 -> [128, 64, 8]. With ``call_cost=32``, 35 -> [64].
+
+    Why positions: a prefill call's time grows with its bucket (on a 2-core CPU, 32 slots of the
+    quickstart target with its MTP head took about 115 ms at C = 40 and 440 ms at C = 128). On
+    hardware where a small call is bound by reading the weights, ``call_cost`` says how many
+    positions one call is worth.
+
+    Args:
+      buckets: sorted distinct positive chunk sizes (:func:`validate_buckets`).
+      num_tokens: tokens to feed, >= 1.
+      call_cost: fixed cost of one call, in positions (>= 0).
+    Returns:
+      The chunk sizes in call order; ``sum`` >= ``num_tokens``.
+    """
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+    if call_cost < 0:
+        raise ValueError(f"call_cost must be >= 0, got {call_cost}")
+    return list(_plan_chunks(tuple(buckets), int(num_tokens), float(call_cost)))
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_chunks(buckets: tuple, n: int, call_cost: float) -> tuple:
+    # cost[m], calls[m]: the best way to feed m tokens: one chunk that holds them all, or a full
+    # chunk b < m followed by the best way to feed the other m - b (first[m] = that chunk).
+    # O(n * len(buckets)).
+    cost, calls, first = [0.0], [0], [0]
+    for m in range(1, n + 1):
+        best = None
+        for b in buckets:
+            option = (b + call_cost + (cost[m - b] if b < m else 0.0),
+                      1 + (calls[m - b] if b < m else 0), b)
+            if best is None or option[:2] < best[:2]:
+                best = option
+        cost.append(best[0])
+        calls.append(best[1])
+        first.append(best[2])
+    plan, m = [], n
+    while m > 0:
+        plan.append(first[m])
+        m -= first[m]
+    return tuple(sorted(plan, reverse=True))
 
 
 def default_buckets(max_tokens: int, *, min_bucket: int = 8) -> list[int]:

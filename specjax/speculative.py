@@ -103,8 +103,9 @@ def prefill(target_graphdef: nnx.GraphDef, target_state, drafter, params, frozen
     b = tokens.shape[0]
     lengths = jnp.asarray(lengths, jnp.int32)
     cache = init_cache(target.config, b, max_len)
-    out = target(tokens, cache=cache, num_valid=lengths, hidden_layers=drafter.hidden_layers)
-    last = jnp.take_along_axis(out.logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    out = target(tokens, cache=cache, num_valid=lengths, hidden_layers=drafter.hidden_layers,
+                 logits_at=lengths - 1)
+    last = out.logits[:, 0]
     if method == "greedy":
         first = jnp.argmax(last, axis=-1).astype(jnp.int32)
     else:

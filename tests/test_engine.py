@@ -131,6 +131,38 @@ def test_temperature0_equals_greedy_decoding_under_mixed_load(target, kind, loop
             assert res.finish_reason == reason
 
 
+@pytest.mark.parametrize("loop", ["device", "host"])
+def test_prefill_plan_feeds_prompts_in_planned_chunks_without_changing_tokens(target, loop):
+    """Admission feeds prompts in the chunks :func:`specjax.scheduling.plan_chunks` plans for the
+    longest prompt admitted: with buckets (2, 8), 10 tokens go in as 8 + 2 (not 8 + 8) and 5 as
+    2 + 2 + 2 (not 8). Greedy outputs equal plain greedy decoding, so every chunk wrote the cache
+    and the drafter's state as one call would have."""
+    d, p, f = _drafter("mtp", target)
+    cfg = EngineConfig(num_slots=3, max_len=40, gamma=3, token_buckets=(12,),
+                       prefill_buckets=(2, 8), loop=loop, loop_steps=4,
+                       scheduler=SchedulerConfig("fixed", k=3))
+    engine = Engine(target, d, p, f, cfg)
+    engine.warmup(profile=False)
+    rng = np.random.default_rng(11)
+    first = [Request(prompt=rng.integers(0, V, n).tolist(), max_new_tokens=6, seed=n)
+             for n in (10, 5, 3)]  # admitted together: the plan of the 10-token prompt
+    ids = [engine.submit(r) for r in first]
+    engine.step()
+    assert (engine.prefill_calls, engine.prefill_positions) == (2, 10)
+    engine.run()
+    alone = Request(prompt=rng.integers(0, V, 5).tolist(), max_new_tokens=6, seed=5)
+    ids.append(engine.submit(alone))
+    engine.run()
+    assert (engine.prefill_calls, engine.prefill_positions) == (5, 16)
+    for req, rid in zip(first + [alone], ids):
+        ref, _ = _greedy_reference(target, req)
+        assert engine.finished[rid].tokens == ref, req
+    reqs = _requests(rng, 8, stop=True)  # arrivals while others decode
+    for req, res in zip(reqs, _run_mixed(engine, reqs, rng)):
+        ref, reason = _greedy_reference(target, req)
+        assert res.tokens == ref and res.finish_reason == reason, req
+
+
 @pytest.mark.parametrize("kind", sorted(GREEDY_CASES))
 def test_merge_rows_takes_each_slot_from_its_source(target, kind):
     """The host loop's overlap merges admitted slots' drafter rows (``merge_rows``) into the
@@ -205,10 +237,12 @@ def test_temperature1_engine_with_scheduler_is_lossless(target, policy, draft_s,
     each other, and crossing into bucket 8 needs a confident first draft. With a drafting cost
     (``draft_s``) the production budget is sometimes 0 and those steps skip drafting entirely:
     whether a step drafts at all is decided from stale confidences too. ``calibrate``: the
-    policies read confidences calibrated online on the verifier's past decisions.
+    policies read confidences calibrated online on the verifier's past decisions. Prefill
+    buckets (2, 8) feed the 3-token prompt in two chunks (2 + 2,
+    :func:`specjax.scheduling.plan_chunks`), so chunked prefill is under the same test.
     """
     d, p, f = _drafter("dspark", target)
-    cfg = EngineConfig(num_slots=4, max_len=24, gamma=3, prefill_buckets=(8,),
+    cfg = EngineConfig(num_slots=4, max_len=24, gamma=3, prefill_buckets=(2, 8),
                        scheduler=SchedulerConfig(policy), overlap=True, filters=False, loop=loop,
                        online_calibration=calibrate)
     engine = Engine(target, d, p, f, cfg)
@@ -219,6 +253,7 @@ def test_temperature1_engine_with_scheduler_is_lossless(target, policy, draft_s,
     n = 3000
     results = engine.generate([Request(prompt=prompt, max_new_tokens=4, temperature=1.0, seed=s)
                                for s in range(n)])
+    assert engine.prefill_positions == 2 * engine.prefill_calls  # every prompt fed as 2 + 2
     toks = np.array([r.tokens[:3] for r in results])
     verified = np.array([r.accepted for r in results])
     assert verified.sum() > 0.2 * n  # drafts were really verified and accepted
@@ -254,9 +289,9 @@ class ConstTarget(nnx.Module):
                           num_heads=1, num_kv_heads=1, head_dim=8)
         self.logits = nnx.Param(jnp.log(jnp.asarray([0.7, 0.3])))
 
-    def __call__(self, tokens, *, cache=None, num_valid=None, hidden_layers=()):
+    def __call__(self, tokens, *, cache=None, num_valid=None, hidden_layers=(), logits_at=None):
         b, t = tokens.shape
-        logits = jnp.broadcast_to(self.logits[...], (b, t, 2))
+        logits = jnp.broadcast_to(self.logits[...], (b, t if logits_at is None else 1, 2))
         cache = cache.replace(lengths=cache.lengths + num_valid)
         return ForwardOutput(logits=logits, cache=cache, hidden=None)
 

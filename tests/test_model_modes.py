@@ -72,6 +72,27 @@ def test_prefill_all_matches_uncached(name):
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logits_at_one_index_per_row_equal_the_full_logits_there(name):
+    """``logits_at`` runs the LM head at one position per row (the engine's prompt chunks): the
+    same numbers as the full ``[B, T, V]`` logits at those positions, cached and uncached, and
+    the cache written the same."""
+    config, model, tokens = _model_and_tokens(name)
+    at = jnp.asarray(LENGTHS - 1)
+    full = model(tokens, cache=init_cache(config, len(LENGTHS), MAX_LEN),
+                 num_valid=jnp.asarray(LENGTHS))
+    one = model(tokens, cache=init_cache(config, len(LENGTHS), MAX_LEN),
+                num_valid=jnp.asarray(LENGTHS), logits_at=at)
+    assert one.logits.shape == (len(LENGTHS), 1, config.vocab_size)
+    want = np.asarray(full.logits)[np.arange(len(LENGTHS)), LENGTHS - 1]
+    np.testing.assert_allclose(np.asarray(one.logits[:, 0]), want, rtol=0, atol=TOL)
+    np.testing.assert_array_equal(np.asarray(one.cache.k), np.asarray(full.cache.k))
+    np.testing.assert_array_equal(np.asarray(one.cache.lengths), LENGTHS)
+    uncached = model(tokens, logits_at=jnp.asarray([0, 4, 2]))
+    ref = np.asarray(model(tokens).logits)[np.arange(3), [0, 4, 2]]
+    np.testing.assert_allclose(np.asarray(uncached.logits[:, 0]), ref, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_token_by_token_decode_matches(name):
     config, model, tokens = _model_and_tokens(name)
     cache = init_cache(config, len(LENGTHS), MAX_LEN)

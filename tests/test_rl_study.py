@@ -264,3 +264,5 @@ def test_rollout_speed_benchmark_measures_every_decoder():
     assert r["bound"] == pytest.approx(d["spec"]["tau"] * c["plain_s"] /
                                        (c["draft_s"] + c["verify_s"]))
     assert r["measured_over_bound"] == pytest.approx(d["spec"]["speedup"] / r["bound"])
+    for name in ("engine_none", "spec", "spec_filters"):  # admitting took some of each rep
+        assert 0 < d[name]["prefill_s"] < d[name]["wall_s"], name

@@ -19,6 +19,29 @@ def test_pick_bucket_bisect_and_errors():
     assert S.default_buckets(40) == [8, 16, 32, 40]
 
 
+def test_plan_chunks_pads_least_then_calls_least():
+    b = [8, 16, 32, 64, 128]
+    # 35: 32 + 8 = 40 positions (one call at 64 would pad 29; 8 x 5 = 40 takes 5 calls)
+    assert S.plan_chunks(b, 35) == [32, 8]
+    assert S.plan_chunks(b, 32) == [32]
+    assert S.plan_chunks(b, 9) == [16]  # 16 positions either way: one call, not 8 + 8
+    assert S.plan_chunks(b, 200) == [128, 64, 8]
+    assert S.plan_chunks(b, 1) == [8]
+    # longer than the largest bucket: full chunks of it first, the rest planned the same way
+    assert S.plan_chunks([16, 64, 256], 300) == [256, 16, 16, 16]
+    assert S.plan_chunks([32, 128], 35) == [32, 32]
+    # a price per call: 35 as [32, 8] costs 40 + 2 * 32 = 104, as [64] 64 + 32 = 96
+    assert S.plan_chunks(b, 35, call_cost=32) == [64]
+    assert S.plan_chunks(b, 35, call_cost=8) == [32, 8]  # 56 against 72
+    for n in range(1, 300):  # every chunk but the last full: the plan covers n, wastes < 8
+        plan = S.plan_chunks(b, n)
+        assert sum(plan[:-1]) < n <= sum(plan) < n + 8, (n, plan)
+    with pytest.raises(ValueError, match=">= 1"):
+        S.plan_chunks(b, 0)
+    with pytest.raises(ValueError, match="call_cost"):
+        S.plan_chunks(b, 5, call_cost=-1)
+
+
 def test_sps_profile_step_table_and_cache(tmp_path):
     calls = []
     fake_time = iter(np.arange(0, 1000, 0.5))  # each run_bucket takes 0.5 "s" of the fake clock

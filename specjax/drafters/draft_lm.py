@@ -86,8 +86,8 @@ class DraftLMDrafter:
         del frozen
         keys = jax.random.split(key, gamma)
         out = apply(self.graphdef, params, state.pending, cache=state.cache,
-                    num_valid=state.num_pending)
-        last = jnp.take_along_axis(out.logits, (state.num_pending - 1)[:, None, None], axis=1)[:, 0]
+                    num_valid=state.num_pending, logits_at=state.num_pending - 1)
+        last = out.logits[:, 0]
         x1, q1 = draw(keys[0], last, sampling, argmax)
         if gamma == 1:
             return DraftOutput(x1[:, None], q1[:, None], None), \

@@ -70,6 +70,10 @@ class Engine(HostLoopMixin, DeviceLoopMixin):
       drafter, params, frozen: a drafter from :mod:`specjax.drafters`, its params and frozen
         shared head (``None`` where the drafter has none).
       config: :class:`EngineConfig`.
+
+    Statistics it keeps: ``stats`` (host loop, one :class:`StepStats` per step), ``loop_stats``
+    (device loop, one :class:`LoopStats` per call), and for admissions ``prefill_calls``,
+    ``prefill_positions`` (chunk sizes summed) and ``prefill_s`` (wall seconds), warm-up excluded.
     """
 
     def __init__(self, target, drafter, params, frozen, config: EngineConfig = EngineConfig()):
@@ -105,6 +109,9 @@ class Engine(HostLoopMixin, DeviceLoopMixin):
         self.sps_table_draft = self.sps_table  # SPS of a step that drafts (no profile: equal)
         self.stats: list[StepStats] = []  # host loop: one per step
         self.loop_stats: list[LoopStats] = []  # device loop: one per call
+        self.prefill_calls = 0  # prefill chunk calls since the engine was built (not warm-up)
+        self.prefill_positions = 0  # their chunk sizes summed (positions fed per slot row)
+        self.prefill_s = 0.0  # their wall time (each call waits for its first tokens)
         self._new_rows = np.zeros(s, bool)  # device loop: slots admitted since the last call
         self._sps_dev = None
 
@@ -204,15 +211,15 @@ class Engine(HostLoopMixin, DeviceLoopMixin):
         if not new:
             return new
         s = self.config.num_slots
-        first_chunk = True
-        while True:
+        longest = max(len(self.slots[i].request.prompt) - self.slots[i].prompt_done for i in new)
+        # Every chunk but the last is full, so the longest prompt takes every chunk of the plan
+        # and each shorter one finishes within it.
+        t0 = time.perf_counter()
+        for c in scheduling.plan_chunks(self.prefill_buckets, longest,
+                                        call_cost=self.config.prefill_call_cost):
             remaining = {i: len(self.slots[i].request.prompt) - self.slots[i].prompt_done
-                         for i in new if self.slots[i] is not None}
+                         for i in new if self.slots[i] is not None}  # None: finished at once
             todo = [i for i, n in remaining.items() if n > 0]
-            if not todo:
-                break
-            chunk = min(max(remaining[i] for i in todo), self.prefill_buckets[-1])
-            c = scheduling.pick_bucket(self.prefill_buckets, chunk)
             tokens = np.zeros((s, c), np.int32)
             num_valid = np.zeros(s, np.int32)
             reset = np.zeros(s, bool)
@@ -233,13 +240,16 @@ class Engine(HostLoopMixin, DeviceLoopMixin):
                 self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
                 self.state, tokens, num_valid, reset, nxt, is_last, self._slot_keys(1),
                 self._sampling(), max_len=self.config.max_len, gamma=self.config.gamma)
-            first_chunk = False
+            self.prefill_calls += 1
+            self.prefill_positions += c
             first = np.asarray(first)
             now = time.perf_counter()
             for i in todo:
                 if is_last[i]:
                     self._emit(i, [int(first[i])], now)
-        del first_chunk
+        self.prefill_s += time.perf_counter() - t0
+        assert all(self.slots[i] is None or self.slots[i].prompt_done ==
+                   len(self.slots[i].request.prompt) for i in new)
         return new
 
     # ---------------------------------------------------------------------------------- finishing

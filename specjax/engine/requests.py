@@ -71,7 +71,12 @@ class EngineConfig:
     num_slots: S requests decoded at once. max_len: cache positions per slot (prompt + new tokens
     + γ + 1 must fit). gamma: drafts per step. token_buckets: compiled verification batch sizes
     (default: powers of two from 8 to S·(γ+1)); the largest must hold S·(γ+1).
-    prefill_buckets: compiled prompt chunk sizes (longer prompts are fed in chunks of the largest).
+    prefill_buckets: compiled prompt chunk sizes. The slots admitted together are fed in chunks
+    planned by :func:`specjax.scheduling.plan_chunks` for the longest of their prompts: the
+    fewest padded positions, e.g. buckets (8, 32, 128) feed 35 tokens as 32 + 8, not as 128.
+    prefill_call_cost: the fixed price of one prefill call in that plan, in positions (0: only
+    padding counts, right where a call's time follows its bucket, as on a CPU; raise it where a
+    small call is bound by reading the weights).
     method: "rejection" or "target_only". scheduler: the verification-length policy.
     overlap: pre-dispatch the next draft while the host processes the current step.
     sps_cache: JSON path for the SPS profile (reused when device and model match).
@@ -97,6 +102,7 @@ class EngineConfig:
     gamma: int = 4
     token_buckets: Optional[tuple] = None
     prefill_buckets: tuple = (16, 64, 256)
+    prefill_call_cost: float = 0.0
     method: str = "rejection"
     scheduler: SchedulerConfig = SchedulerConfig()
     overlap: bool = True
@@ -139,6 +145,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.profile_context must be in [0, max_len - gamma - 1] = "
                              f"[0, {self.max_len - self.gamma - 1}], got {self.profile_context}")
         scheduling.validate_buckets(self.prefill_buckets)
+        if self.prefill_call_cost < 0:
+            raise ValueError(f"EngineConfig.prefill_call_cost must be >= 0, "
+                             f"got {self.prefill_call_cost}")
         if self.token_buckets is not None:
             b = scheduling.validate_buckets(self.token_buckets)
             if b[-1] < self.num_slots * (self.gamma + 1):

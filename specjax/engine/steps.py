@@ -268,9 +268,9 @@ def prefill_step(target_graphdef: nnx.GraphDef, target_state, drafter, params, f
     cache = state.cache
     start = jnp.where(reset, 0, cache.lengths)
     cache = cache.rollback(start)
-    out = target(tokens, cache=cache, num_valid=num_valid, hidden_layers=drafter.hidden_layers)
-    last = jnp.take_along_axis(out.logits, jnp.maximum(num_valid - 1, 0)[:, None, None],
-                               axis=1)[:, 0]
+    out = target(tokens, cache=cache, num_valid=num_valid, hidden_layers=drafter.hidden_layers,
+                 logits_at=jnp.maximum(num_valid - 1, 0))
+    last = out.logits[:, 0]
     first = sample_rows(first_keys, sampling.probs(last),
                         all_greedy(sampling.temperature, where=num_valid > 0))
     prefilling = num_valid > 0

@@ -89,8 +89,9 @@ def _prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, tokens: j
     Returns ``(cache, first_token int32 [B], key)``; the first token is sampled from the logits at
     each row's last real prompt position.
     """
-    out = apply(graphdef, state, tokens, cache=cache, num_valid=num_valid)
-    last = jnp.take_along_axis(out.logits, (num_valid - 1)[:, None, None], axis=1)[:, 0]
+    out = apply(graphdef, state, tokens, cache=cache, num_valid=num_valid,
+                logits_at=num_valid - 1)
+    last = out.logits[:, 0]
     key, sub = jax.random.split(key)
     return out.cache, _pick(last, sub, temperature, greedy), key
 

@@ -132,6 +132,13 @@ def head_logits(h: jax.Array, embed: jax.Array, lm_head: Optional[jax.Array]) ->
     return constrain_batch(logits)
 
 
+def _rows_at(x: jax.Array, index: Optional[jax.Array]) -> jax.Array:
+    """``x [B, T, D]`` at ``index int [B]`` of each row as ``[B, 1, D]`` (all of x if None)."""
+    if index is None:
+        return x
+    return jnp.take_along_axis(x, jnp.asarray(index, jnp.int32)[:, None, None], axis=1)
+
+
 class Transformer(nnx.Module):
     """Decoder-only Qwen3 / Llama model. See the module docstring for the forward modes."""
 
@@ -164,7 +171,8 @@ class Transformer(nnx.Module):
     def __call__(self, tokens: jax.Array, *, cache: Optional[KVCache] = None,
                  positions: Optional[jax.Array] = None, segment_ids: Optional[jax.Array] = None,
                  num_valid: Optional[jax.Array] = None,
-                 hidden_layers: Sequence[int] = ()) -> ForwardOutput:
+                 hidden_layers: Sequence[int] = (),
+                 logits_at: Optional[jax.Array] = None) -> ForwardOutput:
         """Runs the model.
 
         Args:
@@ -176,6 +184,9 @@ class Transformer(nnx.Module):
           segment_ids: ``int32 [B, T]`` document ids of packed rows (no cache only).
           num_valid: ``int32 [B]`` real tokens per row (cache only; default T).
           hidden_layers: which hidden states to return (0 = embeddings, i = after block i).
+          logits_at: optional ``int32 [B]``: the LM head runs at this index of each row only,
+            and ``logits`` is ``[B, 1, V]`` (a prompt chunk needs the last real position's
+            logits alone; the head over ``[B, T, V]`` would be most of the work at a large V).
         """
         c = self.config
         tokens = jnp.asarray(tokens, jnp.int32)
@@ -213,7 +224,8 @@ class Transformer(nnx.Module):
                 return grouped_attention(q, k, v, mask), carry
 
             x, _, hid = self._run_layers(tokens, positions, attend, hidden_layers, None)
-            return ForwardOutput(logits=self.lm_logits(x), cache=None, hidden=hid)
+            return ForwardOutput(logits=self.lm_logits(_rows_at(x, logits_at)), cache=None,
+                                 hidden=hid)
 
         # Cached: write this call's keys/values in place, attend over the smallest window bucket
         # that holds every row's last real query (padding rows/tokens past num_valid excluded).
@@ -231,7 +243,8 @@ class Transformer(nnx.Module):
                                                   (cache.k, cache.v))
         new_cache = KVCache(k=k_all, v=v_all,
                             lengths=cache.lengths + num_valid.astype(jnp.int32))
-        return ForwardOutput(logits=self.lm_logits(x), cache=new_cache, hidden=hid)
+        return ForwardOutput(logits=self.lm_logits(_rows_at(x, logits_at)), cache=new_cache,
+                             hidden=hid)
 
     def _run_layers(self, tokens, positions, attend, hidden_layers, carry):
         """Embeds and runs every block; ``attend(i, q, k, v, carry) -> (out, carry)`` is the mode
