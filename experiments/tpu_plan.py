@@ -11,7 +11,8 @@ HBM), FLOPs and bytes, a roofline step time and, for training, an MFU estimate (
 
 ``--programs`` picks from ``train`` (the config's train step: LM or drafter), ``engine`` (the serving
 engine's draft / verification / prefill steps and its device loop, for the config's target and
-drafter, tensor-parallel over ``gcd(chips, KV heads)`` chips, replicated over the rest) and
+drafter, tensor-parallel over ``gcd(chips, KV heads)`` chips, replicated over the rest; or one kind
+of them: ``engine.draft``, ``engine.verify``, ``engine.prefill``, ``engine.loop``) and
 ``rejection`` (the Pallas rejection sampler). ``--fit`` halves the sequence of a train step that
 does not fit until one does (at most ``--fit_tries`` times) and reports every attempt.
 
@@ -39,7 +40,9 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file[:arg].",
                                           lock_config=True)
 _TOPOLOGY = flags.DEFINE_string("topology", "v5p-64", "Topology (v5p:4x4x4) or slice (v5e-8).")
-_PROGRAMS = flags.DEFINE_list("programs", ["train"], "train, engine, rejection.")
+_PROGRAMS = flags.DEFINE_list(
+    "programs", ["train"], "train, engine, rejection; engine.draft / .verify / .prefill / .loop "
+    "compile one kind of engine step only.")
 _OUT = flags.DEFINE_string("out", "tpu_plan", "Output directory (plan.json, plan.md).")
 _FIT = flags.DEFINE_bool("fit", False, "Halve the sequence of a train step until it fits.")
 _FIT_TRIES = flags.DEFINE_integer("fit_tries", 2, "Most halvings with --fit.")
@@ -117,7 +120,8 @@ def plan(config, topology: str, programs, *, fit=False, tries=2, slots=64, max_l
     if "train" in programs:
         reports += _train_reports(config, topology, fit, tries)
     target = model_config_from(config)
-    if "engine" in programs:
+    engine = [p for p in programs if p.split(".")[0] == "engine"]
+    if engine:
         if config.task.name != "drafter":
             raise ValueError("--programs engine needs a drafter config (config.task.name)")
         n = len(aot.topology_devices(topology))
@@ -127,6 +131,9 @@ def plan(config, topology: str, programs, *, fit=False, tries=2, slots=64, max_l
         shapes = aot.EngineShapes(num_slots=slots, max_len=max_len, gamma=gamma,
                                   buckets=(slots, slots * (gamma + 1)), prefill_chunk=256)
         for p in aot.engine_steps(target, config.task, mesh, shapes):
+            # "engine": every device step; "engine.prefill" (.draft, .verify, .loop): those only
+            if "engine" not in engine and p.name.split("[")[0] not in engine:
+                continue
             p.shapes["model"] = config.model.preset
             reports.append(aot.compile_program(p, mesh, topology))
     if "rejection" in programs:
@@ -181,7 +188,8 @@ def main(argv) -> None:
         else:
             if _CONFIG.value is None:
                 raise app.UsageError("--config is required (or --table)")
-            bad = set(_PROGRAMS.value) - {"train", "engine", "rejection"}
+            bad = set(_PROGRAMS.value) - {"train", "engine", "rejection", "engine.draft",
+                                          "engine.verify", "engine.prefill", "engine.loop"}
             if bad:
                 raise app.UsageError(f"unknown --programs {sorted(bad)}")
             rows = plan(_CONFIG.value, _TOPOLOGY.value, _PROGRAMS.value, fit=_FIT.value,

@@ -166,3 +166,13 @@ def test_fsdp_keeps_the_batch_split_as_chips_grow(tmp_path):
     assert big.mesh["fsdp"] == chips == 16
     assert big.bytes_accessed / 1e9 <= 1.25 * small["bytes_accessed_gb"]
     assert big.temp_bytes / 2**30 <= 1.25 * small["temp_gib"] + 16 / 1024
+
+
+def test_tpu_plan_compiles_one_kind_of_engine_step():
+    """``experiments.tpu_plan --programs engine.prefill`` compiles the engine's prefill step alone
+    (``engine`` would compile the draft, each verification bucket and the device loop too)."""
+    from experiments.configs.train_drafter import get_config
+    from experiments.tpu_plan import plan
+    rows = plan(get_config("mtp_e2e_tv,tiny"), TOPOLOGY, ["engine.prefill"], slots=4, max_len=256)
+    assert [r["name"] for r in rows] == ["engine.prefill[C=256]"]
+    assert rows[0]["compiled"] and rows[0]["fits"]
