@@ -49,6 +49,8 @@ _FIT_TRIES = flags.DEFINE_integer("fit_tries", 2, "Most halvings with --fit.")
 _TABLE = flags.DEFINE_bool("table", False, "Compile the docs/TPU.md grid (ignores --config).")
 _SLOTS = flags.DEFINE_integer("engine_slots", 64, "Engine slots S.")
 _MAX_LEN = flags.DEFINE_integer("engine_max_len", 4096, "Engine cache length per slot.")
+_BUCKETS = flags.DEFINE_list("engine_buckets", [], "Verification token buckets (default: S and "
+                             "S * (gamma + 1)).")
 
 TABLE_TARGETS = ("qwen3-0.6b", "qwen3-4b", "qwen3-8b")
 TABLE_DRAFTERS = ("mtp", "dspark")
@@ -112,7 +114,8 @@ def _train_reports(config, topology: str, fit: bool, tries: int) -> list:
     return reports
 
 
-def plan(config, topology: str, programs, *, fit=False, tries=2, slots=64, max_len=4096) -> list:
+def plan(config, topology: str, programs, *, fit=False, tries=2, slots=64, max_len=4096,
+         buckets=None) -> list:
     """Compiles the requested programs of ``config`` for ``topology``; returns report dicts."""
     from specjax import aot
     from specjax.training.lm_task import model_config_from
@@ -129,7 +132,8 @@ def plan(config, topology: str, programs, *, fit=False, tries=2, slots=64, max_l
         mesh = aot.topology_mesh(topology, {"data": n // tp, "fsdp": 1, "tensor": tp})
         gamma = config.task.gamma
         shapes = aot.EngineShapes(num_slots=slots, max_len=max_len, gamma=gamma,
-                                  buckets=(slots, slots * (gamma + 1)), prefill_chunk=256)
+                                  buckets=tuple(buckets or (slots, slots * (gamma + 1))),
+                                  prefill_chunk=256)
         for p in aot.engine_steps(target, config.task, mesh, shapes):
             # "engine": every device step; "engine.prefill" (.draft, .verify, .loop): those only
             if "engine" not in engine and p.name.split("[")[0] not in engine:
@@ -193,7 +197,8 @@ def main(argv) -> None:
             if bad:
                 raise app.UsageError(f"unknown --programs {sorted(bad)}")
             rows = plan(_CONFIG.value, _TOPOLOGY.value, _PROGRAMS.value, fit=_FIT.value,
-                        tries=_FIT_TRIES.value, slots=_SLOTS.value, max_len=_MAX_LEN.value)
+                        tries=_FIT_TRIES.value, slots=_SLOTS.value, max_len=_MAX_LEN.value,
+                        buckets=[int(b) for b in _BUCKETS.value] or None)
             stem = "plan"
     except LibtpuMissing as e:
         print(f"error: {e}", file=sys.stderr)

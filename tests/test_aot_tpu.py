@@ -136,6 +136,10 @@ def test_verification_step_does_not_copy_the_layered_cache_per_layer():
         rows = [c for c in copies if re.search(rf"\[{slots},{max_len},", c)]
         assert len(whole) <= 4, (layers, len(whole))
         assert len(rows) <= 4 * layers, (layers, len(rows))
+        # the report's count: whole copies in any shape (a flattened [L*S*max_len, ...] too)
+        assert aot.count_copies(text, verify.copy_watch) == len(whole), layers
+        report = aot.compile_program(verify, mesh, TOPOLOGY)
+        assert report.notes["whole_copies"] == len(whole)
 
 
 def test_fsdp_keeps_the_batch_split_as_chips_grow(tmp_path):

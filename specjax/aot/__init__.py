@@ -6,15 +6,15 @@ memory, cost and roofline time, and :mod:`~specjax.aot.programs` builds specjax'
 steps, engine steps, the Pallas rejection sampler) from abstract sharded inputs.
 """
 from specjax.aot.chips import CHIPS, ChipSpec, chip_of, num_chips, topology_name
-from specjax.aot.compile import (HBM_BUDGET, ProgramReport, compile_report, parse_oom,
-                                 topology_devices, topology_mesh)
+from specjax.aot.compile import (HBM_BUDGET, ProgramReport, compile_report, count_copies,
+                                 parse_oom, topology_devices, topology_mesh)
 from specjax.aot.env import LibtpuMissing, ensure_libtpu, libtpu_path
 from specjax.aot.programs import (EngineShapes, Program, engine_steps, rejection_kernel,
                                   train_step)
 
 __all__ = [
     "CHIPS", "ChipSpec", "chip_of", "num_chips", "topology_name", "HBM_BUDGET", "ProgramReport",
-    "compile_report", "parse_oom", "topology_devices", "topology_mesh", "LibtpuMissing",
+    "compile_report", "count_copies", "parse_oom", "topology_devices", "topology_mesh", "LibtpuMissing",
     "ensure_libtpu", "libtpu_path", "EngineShapes", "Program", "engine_steps",
     "rejection_kernel", "train_step",
 ]
@@ -24,4 +24,5 @@ def compile_program(program: Program, mesh, topology: str) -> ProgramReport:
     """:func:`compile_report` of a :class:`Program`."""
     return compile_report(program.name, program.lower, mesh, topology, shapes=program.shapes,
                           model_flops=program.model_flops, notes=program.notes,
-                          loop_multiplier=program.loop_multiplier)
+                          loop_multiplier=program.loop_multiplier,
+                          copy_watch=program.copy_watch)

@@ -148,7 +148,8 @@ def _chip_and_share(mesh: Mesh, topology: str):
 
 def compile_report(name: str, lower: Callable[[], Any], mesh: Mesh, topology: str, *,
                    shapes: Optional[dict] = None, model_flops: Optional[float] = None,
-                   notes: Optional[dict] = None, loop_multiplier: int = 1) -> ProgramReport:
+                   notes: Optional[dict] = None, loop_multiplier: int = 1,
+                   copy_watch: Optional[int] = None) -> ProgramReport:
     """Lowers (``lower()`` under ``jax.set_mesh(mesh)``), compiles and reports one program.
 
     Args:
@@ -163,6 +164,9 @@ def compile_report(name: str, lower: Callable[[], Any], mesh: Mesh, topology: st
       loop_multiplier: trip count of the program's outer loop (gradient accumulation's
         microbatches): the compiler's cost analysis counts a loop body once, so its FLOPs and
         bytes are multiplied by this.
+      copy_watch: element count of one chip's share of a large array (the engine's layered KV
+        cache): ``notes["whole_copies"]`` counts the compiled program's ``copy`` instructions
+        with that many elements, in any shape (the compiler may flatten the array first).
     Returns:
       A :class:`ProgramReport`; a compiler refusal for lack of memory is a report with
       ``compiled=False`` and the compiler's numbers, any other error is raised.
@@ -189,6 +193,8 @@ def compile_report(name: str, lower: Callable[[], Any], mesh: Mesh, topology: st
         return report
     report.compile_seconds = time.perf_counter() - start
     report.compiled = True
+    if copy_watch is not None:
+        report.notes["whole_copies"] = count_copies(compiled.as_text(), copy_watch)
     mem = compiled.memory_analysis()
     report.argument_bytes = int(mem.argument_size_in_bytes)
     report.output_bytes = int(mem.output_size_in_bytes)
@@ -220,6 +226,15 @@ def compile_report(name: str, lower: Callable[[], Any], mesh: Mesh, topology: st
     if report.model_flops is not None and report.roofline_seconds > 0:
         report.mfu = report.model_flops / (report.roofline_seconds * peak)
     return report
+
+
+def count_copies(hlo_text: str, elements: int) -> int:
+    """``copy`` instructions of an HLO module's text whose result has ``elements`` elements."""
+    n = 0
+    for m in re.finditer(r"= \w+\[([\d,]*)\]\S* copy\(", hlo_text):
+        if math.prod(int(d) for d in m.group(1).split(",") if d) == elements:
+            n += 1
+    return n
 
 
 def gib(x: float) -> float:

@@ -15,6 +15,7 @@ Each returns :class:`Program` objects; :func:`specjax.aot.compile_report` compil
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -40,6 +41,8 @@ class Program:
     model_flops: Optional[float] = None
     notes: dict = dataclasses.field(default_factory=dict)
     loop_multiplier: int = 1
+    # elements of an array (the engine's layered KV cache) whose whole copies the report counts
+    copy_watch: Optional[int] = None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -222,8 +225,11 @@ def engine_steps(target_config: ModelConfig, task_config: ml_collections.ConfigD
                                       sampling, key, rep, mesh, common))
     # The slots are replicated over the mesh's data axis (independent engine replicas): no batch
     # constraint may split them (specjax.models.partitioning).
+    tp = mesh.shape.get("tensor", 1)  # KV heads split over it, or replicated if indivisible
+    kv_elems = math.prod(cache.k.shape) // (tp if target_config.num_kv_heads % tp == 0 else 1)
     for p in programs:
         p.lower = _unconstrained(p.lower)
+        p.copy_watch = kv_elems  # one chip's share of the K (or V) cache
     return programs
 
 
