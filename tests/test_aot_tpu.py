@@ -172,11 +172,18 @@ def test_fsdp_keeps_the_batch_split_as_chips_grow(tmp_path):
     assert big.temp_bytes / 2**30 <= 1.25 * small["temp_gib"] + 16 / 1024
 
 
-def test_tpu_plan_compiles_one_kind_of_engine_step():
-    """``experiments.tpu_plan --programs engine.prefill`` compiles the engine's prefill step alone
-    (``engine`` would compile the draft, each verification bucket and the device loop too)."""
-    from experiments.configs.train_drafter import get_config
-    from experiments.tpu_plan import plan
-    rows = plan(get_config("mtp_e2e_tv,tiny"), TOPOLOGY, ["engine.prefill"], slots=4, max_len=256)
+def test_tpu_plan_compiles_one_kind_of_engine_step(tmp_path):
+    """``python -m experiments.tpu_plan --programs engine.prefill`` compiles the engine's prefill
+    step alone (``engine`` would compile the draft, each verification bucket and the device loop
+    too). A subprocess: the entry point's absl flags (``--config``) must not meet another
+    entry point's in this test process."""
+    import json
+
+    from _tiny_runs import hermetic_env, run_module
+    run_module(hermetic_env(tmp_path), "experiments.tpu_plan",
+               "--config", "experiments/configs/train_drafter.py:mtp_e2e_tv,tiny",
+               "--topology", TOPOLOGY, "--programs", "engine.prefill", "--engine_slots", 4,
+               "--engine_max_len", 256, "--out", tmp_path / "plan")
+    rows = json.loads((tmp_path / "plan" / "plan.json").read_text())
     assert [r["name"] for r in rows] == ["engine.prefill[C=256]"]
-    assert rows[0]["compiled"] and rows[0]["fits"]
+    assert rows[0]["compiled"] and rows[0]["fits"] and "whole_copies" in rows[0]["notes"]
