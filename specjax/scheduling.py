@@ -113,6 +113,18 @@ def _plan_chunks(buckets: tuple, n: int, call_cost: float) -> tuple:
     return tuple(sorted(plan, reverse=True))
 
 
+def prompt_chunk_buckets(max_prompt_length: int) -> tuple:
+    """Prefill buckets 8, 32, 128, ... up to the first that holds ``max_prompt_length``: with
+    :func:`plan_chunks` every prompt is padded by fewer than 8 positions, from few compiled
+    chunk programs (35 tokens: 32 + 8)."""
+    if max_prompt_length < 1:
+        raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
+    out = [8]
+    while out[-1] < max_prompt_length:
+        out.append(out[-1] * 4)
+    return tuple(out)
+
+
 def default_buckets(max_tokens: int, *, min_bucket: int = 8) -> list[int]:
     """Powers of two from ``min_bucket`` up to (and including) ``max_tokens``."""
     out, b = [], min_bucket

@@ -36,6 +36,8 @@ def test_plan_chunks_pads_least_then_calls_least():
     for n in range(1, 300):  # every chunk but the last full: the plan covers n, wastes < 8
         plan = S.plan_chunks(b, n)
         assert sum(plan[:-1]) < n <= sum(plan) < n + 8, (n, plan)
+    assert S.prompt_chunk_buckets(96) == (8, 32, 128)
+    assert S.prompt_chunk_buckets(8) == (8,) and S.prompt_chunk_buckets(9) == (8, 32)
     with pytest.raises(ValueError, match=">= 1"):
         S.plan_chunks(b, 0)
     with pytest.raises(ValueError, match="call_cost"):

@@ -75,7 +75,7 @@ def _filter_settings(rc) -> tuple[Optional[int], Optional[float]]:
 def _uses_filters(rc) -> bool:
     """Whether a RolloutConfig asks for top-k or top-p. The default engine compiles the filters
     (a sort over the vocabulary per drafted and verified position) only then: with them a batch of
-    32 rollouts on the quickstart target took about 2.1x as long, for the same tokens
+    32 rollouts on the quickstart target took 2.1-2.7x as long, for the same tokens
     (``benchmarks/rl_rollout_speed.py``)."""
     return any(x is not None for x in _filter_settings(rc))
 
