@@ -104,7 +104,8 @@ def study_engine_config(p, method: str, gamma=None):
         num_slots=p["num_slots"], max_len=p["max_prompt_length"] + p["max_new_tokens"] + gamma + 2,
         gamma=gamma, method="rejection" if method == "none" else method,
         # prompts are fed in chunks that pad them by fewer than 8 positions (35 tokens: 32 + 8;
-        # in one 128-token call, the prefill took about 4x as long)
+        # one 128-position chunk made admitting a batch about 3x slower:
+        # benchmarks/results/rl_rollout_speed*.json, prefill_s)
         prefill_buckets=scheduling.prompt_chunk_buckets(p["max_prompt_length"]),
         scheduler=SchedulerConfig("fixed", k=gamma), overlap=False,
         # the study samples at a temperature alone: no top-k / top-p sort over the vocabulary in

@@ -40,9 +40,11 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file[:arg].",
                                           lock_config=True)
 _TOPOLOGY = flags.DEFINE_string("topology", "v5p-64", "Topology (v5p:4x4x4) or slice (v5e-8).")
+# --programs: "engine" compiles every engine device step, one of ENGINE_STEPS that kind only
+ENGINE_STEPS = ("engine.draft", "engine.verify", "engine.prefill", "engine.loop")
 _PROGRAMS = flags.DEFINE_list(
-    "programs", ["train"], "train, engine, rejection; engine.draft / .verify / .prefill / .loop "
-    "compile one kind of engine step only.")
+    "programs", ["train"], f"train, engine, rejection, or one kind of engine step: "
+    f"{', '.join(ENGINE_STEPS)}.")
 _OUT = flags.DEFINE_string("out", "tpu_plan", "Output directory (plan.json, plan.md).")
 _FIT = flags.DEFINE_bool("fit", False, "Halve the sequence of a train step until it fits.")
 _FIT_TRIES = flags.DEFINE_integer("fit_tries", 2, "Most halvings with --fit.")
@@ -123,7 +125,7 @@ def plan(config, topology: str, programs, *, fit=False, tries=2, slots=64, max_l
     if "train" in programs:
         reports += _train_reports(config, topology, fit, tries)
     target = model_config_from(config)
-    engine = [p for p in programs if p.split(".")[0] == "engine"]
+    engine = [p for p in programs if p == "engine" or p in ENGINE_STEPS]
     if engine:
         if config.task.name != "drafter":
             raise ValueError("--programs engine needs a drafter config (config.task.name)")
@@ -192,8 +194,7 @@ def main(argv) -> None:
         else:
             if _CONFIG.value is None:
                 raise app.UsageError("--config is required (or --table)")
-            bad = set(_PROGRAMS.value) - {"train", "engine", "rejection", "engine.draft",
-                                          "engine.verify", "engine.prefill", "engine.loop"}
+            bad = set(_PROGRAMS.value) - {"train", "engine", "rejection", *ENGINE_STEPS}
             if bad:
                 raise app.UsageError(f"unknown --programs {sorted(bad)}")
             rows = plan(_CONFIG.value, _TOPOLOGY.value, _PROGRAMS.value, fit=_FIT.value,

@@ -71,10 +71,11 @@ def plan_chunks(buckets: Sequence[int], num_tokens: int, *, call_cost: float = 0
     tokens -> [32, 8] (40 positions, where the smallest bucket that holds 35 would pad to 64);
     200 -> [128, 64, 8]. With ``call_cost=32``, 35 -> [64].
 
-    Why positions: a prefill call's time grows with its bucket (on a 2-core CPU, 32 slots of the
-    quickstart target with its MTP head took about 115 ms at C = 40 and 440 ms at C = 128). On
-    hardware where a small call is bound by reading the weights, ``call_cost`` says how many
-    positions one call is worth.
+    Why positions: a prefill call's time grows with its bucket (on a 2-core CPU, admitting 32
+    prompts of 26-36 tokens to the quickstart target and its MTP head took 0.11-0.12 s in chunks
+    planned over buckets (8, 32, 128) and 0.34 s in one 128-position chunk:
+    ``benchmarks/results/rl_rollout_speed*.json``, ``prefill_s``). On hardware where a small call
+    is bound by reading the weights, ``call_cost`` says how many positions one call is worth.
 
     Args:
       buckets: sorted distinct positive chunk sizes (:func:`validate_buckets`).

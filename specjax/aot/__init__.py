@@ -14,8 +14,8 @@ from specjax.aot.programs import (EngineShapes, Program, engine_steps, rejection
 
 __all__ = [
     "CHIPS", "ChipSpec", "chip_of", "num_chips", "topology_name", "HBM_BUDGET", "ProgramReport",
-    "compile_report", "count_copies", "parse_oom", "topology_devices", "topology_mesh", "LibtpuMissing",
-    "ensure_libtpu", "libtpu_path", "EngineShapes", "Program", "engine_steps",
+    "compile_report", "count_copies", "parse_oom", "topology_devices", "topology_mesh",
+    "LibtpuMissing", "ensure_libtpu", "libtpu_path", "EngineShapes", "Program", "engine_steps",
     "rejection_kernel", "train_step",
 ]
 
