@@ -42,9 +42,14 @@ DEFAULT_TRACES = os.path.join(REPO, "experiments", "results", "full", "dspark_g7
 
 
 def compiled_profile(target: str, topology: str, *, slots: int, max_len: int, buckets,
-                     gamma: int, drafter: str = "dspark", log=print) -> tuple[SPSProfile, list]:
+                     gamma: int, drafter: str = "dspark", verify_order: str = "host",
+                     log=print) -> tuple[SPSProfile, list]:
     """SPS per bucket = 1 / roofline seconds of the TPU-compiled verification step; ``draft_s``
-    = the drafting step's roofline. Returns the profile and the compile reports."""
+    = the drafting step's roofline. Returns the profile and the compile reports.
+
+    ``verify_order``: "host" compiles the host loop's verification step (keys/values written
+    inside the forward), "loop" the device loop's order (read-only forward, writes after it);
+    see :class:`specjax.aot.EngineShapes`."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from experiments.configs.tpu_pod import get_config
     from specjax import aot
@@ -55,7 +60,8 @@ def compiled_profile(target: str, topology: str, *, slots: int, max_len: int, bu
     tp = math.gcd(n, model.num_kv_heads)
     mesh = aot.topology_mesh(topology, {"data": n // tp, "fsdp": 1, "tensor": tp})
     shapes = aot.EngineShapes(num_slots=slots, max_len=max_len, gamma=gamma,
-                              buckets=tuple(buckets), prefill_chunk=64, loop_steps=0)
+                              buckets=tuple(buckets), prefill_chunk=64, loop_steps=0,
+                              verify_order=verify_order)
     reports = []
     for p in aot.engine_steps(model, cfg.task, mesh, shapes):
         if not p.name.startswith(("engine.verify", "engine.draft")):
@@ -67,6 +73,8 @@ def compiled_profile(target: str, topology: str, *, slots: int, max_len: int, bu
             f"[{time.perf_counter() - t0:.0f} s]")
         reports.append(r.to_dict())
     key = f"roofline {target} {topology} slots={slots} max_len={max_len} gamma={gamma}"
+    if verify_order != "host":
+        key += f" verify_order={verify_order}"
     return profile_from_reports(reports, key), reports
 
 
@@ -218,6 +226,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--max_len", type=int, default=2048)
     ap.add_argument("--buckets", default="16,64,128,256,512")
+    ap.add_argument("--verify_order", choices=("host", "loop"), default="host",
+                    help="compile the host loop's verification step (keys/values written in the "
+                         "forward) or the device loop's order (written after a read-only forward)")
     ap.add_argument("--traces", default=DEFAULT_TRACES)
     ap.add_argument("--profile", default=None, help="an SPS profile JSON instead of compiling")
     ap.add_argument("--concurrency", default=None, help="e.g. 1,2,4 (default: powers of two up "
@@ -255,7 +266,8 @@ def main(argv=None) -> dict:
               f"(slots {args.slots}, max_len {args.max_len}, buckets {buckets})", flush=True)
         profile, reports = compiled_profile(args.target, args.topology, slots=args.slots,
                                             max_len=args.max_len, buckets=buckets,
-                                            gamma=traces.gamma)
+                                            gamma=traces.gamma,
+                                            verify_order=args.verify_order)
         profile.save(os.path.join(args.out, "sps_profile.json"))
     cs = ([int(c) for c in args.concurrency.split(",")] if args.concurrency else
           [2 ** i for i in range(int(math.log2(args.slots)) + 1)])

@@ -109,12 +109,14 @@ def test_oversized_config_is_reported_not_fitting_with_its_numbers():
     assert row["fits"] is False and row["hbm_fraction"] > aot.HBM_BUDGET
 
 
-def test_verification_step_does_not_copy_the_layered_cache_per_layer():
+@pytest.mark.parametrize("order", ["host", "loop"])
+def test_verification_step_does_not_copy_the_layered_cache_per_layer(order):
     """The TPU-compiled verification step copies the whole layered cache ``[L, S, max_len, ...]``
     at most four times (k and v converted to the compute layout and back), however many layers
     the model has, and each layer's rows ``[S, max_len, ...]`` at most four times. Handing the
     whole layered cache to the attention's window branches made the compiler copy it inside
-    every branch of every layer (dozens of copies, growing with the layers)."""
+    every branch of every layer (dozens of copies, growing with the layers). Both orders of the
+    cache writes: inside the forward (the host loop's step) and after it (the device loop's)."""
     import re
 
     import jax
@@ -125,10 +127,12 @@ def test_verification_step_does_not_copy_the_layered_cache_per_layer():
     max_len, slots = 512, 8
     for layers in (2, 4):
         shapes = aot.EngineShapes(num_slots=slots, max_len=max_len, gamma=3, buckets=(16,),
-                                  prefill_chunk=16, loop_steps=0)
+                                  prefill_chunk=16, loop_steps=0, verify_order=order)
         model = get_preset("tiny", num_kv_heads=4, num_layers=layers)
         verify = next(p for p in aot.engine_steps(model, task, mesh, shapes)
                       if p.name.startswith("engine.verify"))
+        assert verify.name == ("engine.verify[N=16]" if order == "host"
+                               else "engine.verify[N=16,loop]")
         with jax.set_mesh(mesh):
             text = verify.lower().compile().as_text()
         copies = [line for line in text.splitlines() if " copy(" in line]

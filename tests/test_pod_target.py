@@ -41,3 +41,21 @@ def test_convert_refuses_a_checkpoint_of_another_architecture(tmp_path):
     save_hf_checkpoint(init_model(get_preset("tiny", num_layers=3)), None, str(tmp_path / "hf"))
     with pytest.raises(ValueError, match="num_layers"):
         convert(str(tmp_path / "hf"), "tiny", str(tmp_path / "target"))
+
+
+def test_pod_config_keeps_the_tokens_per_step_at_any_sequence():
+    """``tpu_pod.py:<target>,<drafter>,<slice>[,<seq_len>]``: every step trains on 256 x 4096
+    tokens, in microbatches of one row per chip, whatever the sequence; a sequence that does not
+    divide the step is refused."""
+    from experiments.configs.tpu_pod import TOKENS_PER_STEP, get_config
+    for arg, seq, chips in [("qwen3-8b,mtp,v5e-8,4096", 4096, 8),
+                            ("qwen3-8b,mtp,v5e-8,1024", 1024, 8),
+                            ("qwen3-0.6b,dspark,v5e-256,512", 512, 256),
+                            ("qwen3-4b,dspark,v5p-64", 4096, 32)]:
+        c = get_config(arg)
+        assert c.data.seq_len == seq, arg
+        assert c.data.batch_size * seq == TOKENS_PER_STEP, arg
+        assert c.data.batch_size == chips * c.train.grad_accum_steps, arg
+    for bad in ("3000", "0", "x"):
+        with pytest.raises(ValueError, match="seq_len"):
+            get_config(f"qwen3-8b,mtp,v5e-8,{bad}")

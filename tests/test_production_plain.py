@@ -75,6 +75,43 @@ def test_plain_step_commits_the_drafter_like_a_verification_of_no_drafts(target,
             np.testing.assert_allclose(a, b, atol=1e-4 * max(float(np.max(np.abs(b))), 1e-30))
 
 
+def test_verification_writes_the_cache_alike_during_or_after_the_forward(target):
+    """``verify_core(write_during=False)`` (the device loop's order: read-only forward, then
+    every new key/value written) gives the host step's tokens, lengths, cache and drafter state.
+    Sampled at T = 1 with the same keys: both orders draw the same verification noise, and their
+    logits differ only in the order of the attention's reductions (tolerance as in the test
+    above), far below what moves a draw except at a boundary no fixed seed here sits on."""
+    eng = _prefilled_engine(target, "mtp")
+    s = eng.config.num_slots
+    active = np.array([eng.slots[i] is not None for i in range(s)])
+    rng = np.random.default_rng(3)
+    drafts = jnp.asarray(rng.integers(0, CFG.vocab_size, size=(s, 3)), jnp.int32)
+    probs = jax.nn.softmax(jnp.asarray(rng.normal(size=(s, 3, CFG.vocab_size)), jnp.float32))
+    nd = jnp.where(jnp.asarray(active), 3, -1)
+    sampling = Sampling(temperature=jnp.ones((s,), jnp.float32))
+    keys = eng._slot_keys(0)
+    out = {}
+    for during in (True, False):
+        out[during] = verify_core(eng.graphdef, eng.target_state, eng.drafter, eng.params,
+                                  eng.frozen, eng.state, drafts, probs, nd, keys, sampling,
+                                  bucket=eng.buckets[-1], gamma=3, method="rejection",
+                                  write_during=during)
+    (host, host_res), (loop, loop_res) = out[True], out[False]
+    np.testing.assert_array_equal(np.asarray(host_res.tokens), np.asarray(loop_res.tokens))
+    np.testing.assert_array_equal(np.asarray(host.cache.lengths), np.asarray(loop.cache.lengths))
+    np.testing.assert_array_equal(np.asarray(host.anchor), np.asarray(loop.anchor))
+    for a, b in [(host.cache.k, loop.cache.k), (host.cache.v, loop.cache.v),
+                 *zip(jax.tree.leaves(host.drafter_state), jax.tree.leaves(loop.drafter_state))]:
+        a, b = np.asarray(a), np.asarray(b)
+        if np.issubdtype(b.dtype, np.integer):
+            np.testing.assert_array_equal(a, b)
+        else:
+            np.testing.assert_allclose(a, b, atol=1e-4 * max(float(np.max(np.abs(b))), 1e-30))
+    # the drafts were written: the cache changed past the prompt in both orders
+    n0 = int(eng.state.cache.lengths[0])
+    assert not np.allclose(np.asarray(host.cache.k[:, 0, n0:n0 + 4]), 0)
+
+
 def _production(target, plain_s, draft_s):
     d, p, f = _drafter("dspark", target)
     cfg = EngineConfig(num_slots=4, max_len=32, gamma=3, prefill_buckets=(8,), loop="device",

@@ -1,6 +1,6 @@
 """Drafter training for a real Qwen3 target on a TPU slice (the pod job of docs/TPU.md).
 
-``arg`` = ``<target>,<drafter>[,<slice>]``:
+``arg`` = ``<target>,<drafter>[,<slice>[,<seq_len>]]``:
 
 * ``<target>``: a model preset (``qwen3-0.6b``, ``qwen3-4b``, ``qwen3-8b``, ...), bf16 parameters;
 * ``<drafter>``: ``mtp`` (one MTP head chained γ = 3, Bebop's e2e-TV loss) or ``dspark`` (one
@@ -10,6 +10,8 @@
   shorter where a 4096-token row does not fit one chip: :data:`SHORTER_SEQ`) and the microbatch:
   every step trains on ``256 x 4096`` tokens (e.g. 1024 rows of 1024), in microbatches of one
   row per chip (gradient accumulation).
+* ``<seq_len>``: overrides that sequence length (``python -m experiments.tpu_plan --table``
+  starts every row at 4096 this way and halves until it fits).
 
 Pre-flight (compile for the slice on any machine, see docs/TPU.md)::
 
@@ -41,13 +43,19 @@ ROWS_PER_CHIP = 1  # microbatch rows per chip (more steps of gradient accumulati
 
 def get_config(arg: str | None = None):
     parts = [p for p in (arg or "qwen3-8b,mtp").split(",") if p]
-    if len(parts) not in (2, 3):
-        raise ValueError(f"tpu_pod: expected '<target>,<drafter>[,<slice>]', got {arg!r}")
+    if len(parts) not in (2, 3, 4):
+        raise ValueError(f"tpu_pod: expected '<target>,<drafter>[,<slice>[,<seq_len>]]', "
+                         f"got {arg!r}")
     target, drafter = parts[:2]
-    slice_name = parts[2] if len(parts) == 3 else "v5p-64"
+    slice_name = parts[2] if len(parts) >= 3 else "v5p-64"
     chips = num_chips(slice_name)
     gen = slice_name.split(":")[0].split("-")[0]
     seq = SHORTER_SEQ.get((gen, target), SEQ_LEN)
+    if len(parts) == 4:
+        if not parts[3].isdigit() or int(parts[3]) <= 0 or TOKENS_PER_STEP % int(parts[3]):
+            raise ValueError(f"tpu_pod: seq_len must be a positive divisor of {TOKENS_PER_STEP}, "
+                             f"got {parts[3]!r}")
+        seq = int(parts[3])
 
     c = default_config("drafter")
     c.model.preset = target

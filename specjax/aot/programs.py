@@ -120,6 +120,11 @@ class EngineShapes:
     loop_steps: steps per call of the device loop (``EngineConfig.loop_steps``); 0 leaves the
     loop out. loop_policy: the policy compiled into it (any of
     :data:`specjax.scheduling.POLICIES` but "retrospective"; "production" is the largest).
+    verify_order: how each ``engine.verify[N=…]`` program writes the new keys/values: "host"
+    (the host loop's jitted step: inside the forward, layer by layer) or "loop" (the device
+    loop's order: a read-only forward, then all the writes after it; the step without the loop's
+    bucket switch around it). The two can compile very differently (docs/TPU.md, "The tenfold
+    jump").
     """
 
     num_slots: int = 8
@@ -129,6 +134,11 @@ class EngineShapes:
     prefill_chunk: int = 64
     loop_steps: int = 16
     loop_policy: str = "production"
+    verify_order: str = "host"
+
+    def __post_init__(self):
+        if self.verify_order not in ("host", "loop"):
+            raise ValueError(f"verify_order must be 'host' or 'loop', got {self.verify_order!r}")
 
 
 def _engine_device_fns():
@@ -203,15 +213,17 @@ def engine_steps(target_config: ModelConfig, task_config: ml_collections.ConfigD
         lower=lambda: draft_fn.lower(drafter, d_abs, frozen, dstate, key, sampling, gamma=gamma,
                                      argmax=False))]
     ctx = max_len // 2  # attention FLOPs at a half-full cache
+    during = shapes.verify_order == "host"
     for bucket in shapes.buckets:
         programs.append(Program(
-            name=f"engine.verify[N={bucket}]", shapes=dict(common, bucket=bucket),
+            name=f"engine.verify[N={bucket}]" if during else f"engine.verify[N={bucket},loop]",
+            shapes=dict(common, bucket=bucket, verify_order=shapes.verify_order),
             model_flops=float(forward_flops_per_token(target_config, ctx) * bucket),
             lower=lambda bucket=bucket: verify_fn.lower(
                 graphdef, t_abs, drafter, d_abs, frozen, state_abs,
                 rep((s, gamma), jnp.int32), rep((s, gamma, v), jnp.float32),
                 rep((s,), jnp.int32), keys, sampling, bucket=bucket, gamma=gamma,
-                method="rejection")))
+                method="rejection", write_during=during)))
     c = shapes.prefill_chunk
     programs.append(Program(
         name=f"engine.prefill[C={c}]", shapes=dict(common, chunk=c),

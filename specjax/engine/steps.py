@@ -174,7 +174,7 @@ def verify_finish(drafter, params, frozen, state: DeviceState, fwd: VerifyForwar
 def verify_core(target_graphdef: nnx.GraphDef, target_state, drafter, params, frozen,
                 state: DeviceState, draft_tokens, draft_probs, num_draft, verify_keys,
                 sampling: Sampling, *, bucket: int, gamma: int, method: str,
-                verify_impl: str = "jnp"):
+                verify_impl: str = "jnp", write_during: bool = True):
     """Flattened verification of every slot's admitted drafts, then commit.
 
     :func:`verify_forward` then :func:`verify_finish`; jitted as :func:`verify_step` for the
@@ -190,17 +190,20 @@ def verify_core(target_graphdef: nnx.GraphDef, target_state, drafter, params, fr
       method: "rejection" or "target_only".
       verify_impl: rejection sampler, "jnp" or "pallas" (resolved by the engine from
         ``EngineConfig.verify_impl``).
+      write_during: True (the host loop) writes the new keys/values inside the forward, layer by
+        layer; False reads the cache only and writes them all after it, the order of the device
+        loop's step. Same results; ahead-of-time reports compile both (``specjax.aot``).
     Returns:
       ``(DeviceState, VerifyResult)``.
     """
     fwd = verify_forward(target_graphdef, target_state, drafter, state, draft_tokens, num_draft,
-                         bucket=bucket, gamma=gamma)
+                         bucket=bucket, gamma=gamma, write=write_during)
     return verify_finish(drafter, params, frozen, state, fwd, draft_tokens, draft_probs,
                          num_draft, verify_keys, sampling, method=method, verify_impl=verify_impl)
 
 
 verify_step = functools.partial(jax.jit, static_argnames=(
-    "target_graphdef", "drafter", "bucket", "gamma", "method", "verify_impl"),
+    "target_graphdef", "drafter", "bucket", "gamma", "method", "verify_impl", "write_during"),
     donate_argnames=("state",))(
         verify_core)
 verify_step.__doc__ = "Jitted :func:`verify_core` (donates ``state``)."
