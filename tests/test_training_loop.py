@@ -68,6 +68,36 @@ def test_cli_trains_logs_evaluates_checkpoints_and_reopens(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["4"]  # keep=1
     _check_params_only_restore(workdir)
+    _check_continued_math_stage(workdir, tmp_path)
+
+
+def _check_continued_math_stage(workdir, tmp):
+    """``task.init_from`` starts a new LM run from another run's newest params (fresh optimizer
+    at step 0), and ``data.train_domains`` trains on the listed domains only (pretrain_target.py's
+    math stage); a domain the corpus does not have is refused."""
+    from specjax.training.errors import ConfigError
+    from specjax.training.run import make_inputs
+    config = json.load(open(os.path.join(workdir, "config.json")))
+    config["task"]["init_from"] = workdir
+    config["data"]["train_domains"] = "math"
+    config = validate_config(config)
+    trainer = Trainer(config, workdir=str(tmp / "math_stage"),
+                      mesh=make_mesh(config.mesh.to_dict(), jax.devices()[:1]))
+    state = trainer.restore_or_init()
+    assert int(state.step) == 0
+    want = restore_params(os.path.join(workdir, "checkpoints"), abstract_with_shardings(
+        trainer.abstract_state.params, trainer.state_shardings.params))
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    trainer.close()
+    train, evals, _ = make_inputs(config, config.model.overrides.vocab_size)
+    assert [name.split("_")[0] for name in train.spec["sources"]] == ["math"]
+    assert set(evals) == {"math", "code", "prose"}  # held-out evaluation keeps every domain
+    for bad in ("maths", "math,poetry"):
+        config_bad = json.loads(json.dumps(config.to_dict()))
+        config_bad["data"]["train_domains"] = bad
+        with pytest.raises(ConfigError, match="train_domains"):
+            validate_config(config_bad)
 
 
 def _check_params_only_restore(workdir):

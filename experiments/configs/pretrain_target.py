@@ -18,6 +18,13 @@ benchmarks/spec_vs_plain.py measures what that buys)::
     python -m experiments.train --config experiments/configs/pretrain_target.py:base \
         --workdir runs/pretrain_target_base
 
+Math stage (continued training of a finished target on the math domain alone, fresh optimizer:
+a policy that solves enough of the embedded problems for GRPO's groups to carry a signal;
+docs/RL.md)::
+
+    python -m experiments.train --config experiments/configs/pretrain_target.py:math \
+        --config.task.init_from runs/pretrain_target --workdir runs/pretrain_target_math
+
 Re-running with the same workdir resumes (or, when finished, just re-evaluates). The corpus is
 prepared once (BPE tokenizer with the model's vocabulary + TFDS array_record) under
 ``~/.cache/specjax/data/vocab2048`` (override with ``--config.data.data_dir`` or
@@ -29,10 +36,12 @@ from specjax.training.config import default_config
 
 
 def get_config(arg: str | None = None):
-    """``arg``: None / "" for the full run, "base" for the larger target, "tiny" for a few-step
-    smoke run."""
-    if arg not in (None, "", "tiny", "base"):
-        raise ValueError(f"pretrain_target: unknown mode {arg!r}; use '', 'base' or 'tiny'")
+    """``arg``: None / "" for the full run, "base" for the larger target, "math" for a math-only
+    continued-training stage of a finished target (``--config.task.init_from``), "tiny" for a
+    few-step smoke run."""
+    if arg not in (None, "", "tiny", "base", "math"):
+        raise ValueError(f"pretrain_target: unknown mode {arg!r}; use '', 'base', 'math' or "
+                         f"'tiny'")
     c = default_config()
     c.seed = 0
     c.model.preset = "small"  # 4 layers, d=256, 4 heads (2 kv), vocab 2048: 3.67M params
@@ -64,6 +73,13 @@ def get_config(arg: str | None = None):
         c.optimizer.learning_rate = 1e-3  # a lower peak rate for the deeper, wider model (not tuned)
         c.optimizer.warmup_steps = 40
         c.checkpoint.every = 25  # hours on a CPU: resumable at a fine grain
+
+    if arg == "math":
+        c.task.init_from = "runs/pretrain_target"  # the full run's workdir (override)
+        c.data.train_domains = "math"
+        c.train.num_steps = 400
+        c.optimizer.learning_rate = 1e-3
+        c.optimizer.warmup_steps = 20
 
     if arg == "tiny":
         c.model.preset = "tiny"

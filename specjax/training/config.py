@@ -43,6 +43,9 @@ def default_config(task: str = "lm") -> ml_collections.ConfigDict:
     c.data.kind = "synthetic"  # "synthetic" (tests) | "embedded" (specjax.data pipeline)
     c.data.data_dir = ""  # embedded: where the TFDS data is prepared/cached ("" = default)
     c.data.max_docs = 0  # embedded: first N documents per domain and split (0 = all; CI)
+    # embedded: comma-separated domains to train on ("" = all; e.g. "math" for a math-only
+    # continued-training stage); held-out evaluation still reports every domain
+    c.data.train_domains = ""
     c.data.seq_len = 256  # T
     c.data.batch_size = 32  # global batch (all processes); per host = batch_size / processes
     c.data.eval_batches = 4  # held-out batches per domain (0 = no eval, -1 = whole split)
@@ -234,6 +237,13 @@ def validate_config(config: Any, *, num_devices: Optional[int] = None,
                           f"exceeds config.train.num_steps ({merged['train']['num_steps']})")
     _check_model(merged["model"])
     registry.validate_task_config(task_name, merged["task"])
+    train_domains = [x for x in merged["data"]["train_domains"].split(",") if x.strip()]
+    if train_domains:
+        from specjax.data.corpus import DOMAINS
+        bad = sorted(set(x.strip() for x in train_domains) - set(DOMAINS))
+        if bad or merged["data"]["kind"] != "embedded":
+            raise ConfigError(f"config.data.train_domains: needs data.kind 'embedded' and names "
+                              f"among {list(DOMAINS)}, got {merged['data']['train_domains']!r}")
 
     batch = merged["data"]["batch_size"]
     accum = merged["train"]["grad_accum_steps"]

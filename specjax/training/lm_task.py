@@ -9,12 +9,15 @@ Batch (all ``[B, T]``; the layout of :mod:`specjax.data`'s pipeline):
 """
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
 from specjax.models import ModelConfig, Transformer, get_preset
+from specjax.training.checkpoint import restore_params
 from specjax.training.errors import ConfigError
 from specjax.training.tasks import LOSS_WEIGHT, register_task
 
@@ -36,7 +39,7 @@ class LMTask:
     """
 
     def __init__(self, model_config: ModelConfig, *, z_loss: float = 0.0, remat: str = "none",
-                 logits_chunk: int = 0):
+                 logits_chunk: int = 0, init_from: str = ""):
         from specjax.training.memory import REMAT_POLICIES
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
@@ -48,9 +51,19 @@ class LMTask:
         self.graphdef, abstract_state = nnx.split(abstract)
         axes = jax.tree.map(lambda v: tuple(v.logical_axes), abstract_state, is_leaf=_is_var)
         self._axes = nnx.to_pure_dict(axes)
+        self._init_values = None
+        if init_from:  # continued training: the newest params of another LM run, fresh optimizer
+            sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            abstract_params = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                nnx.to_pure_dict(abstract_state))
+            directory = os.path.join(os.path.abspath(init_from), "checkpoints")
+            self._init_values = jax.device_get(restore_params(directory, abstract_params))
 
     # -- TrainTask -------------------------------------------------------------------------------
     def init_params(self, rng: jax.Array):
+        if self._init_values is not None:
+            return jax.tree.map(jnp.asarray, self._init_values)
         model = Transformer(self.model_config, rngs=nnx.Rngs(params=rng))
         return nnx.to_pure_dict(nnx.state(model))
 
@@ -113,6 +126,9 @@ def lm_loss(logits: jax.Array, targets: jax.Array, loss_mask=None, *, z_loss: fl
 def _defaults() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.z_loss = 0.0  # 1e-4 is the usual value when enabled
+    # an LM run's workdir whose newest params start this run ("" = fresh init); the optimizer,
+    # the schedule and the data stream start afresh (continued training, e.g. a math stage)
+    c.init_from = ""
     return c
 
 
@@ -123,7 +139,8 @@ def _validate(task_config: dict) -> None:
 
 def _build(config: ml_collections.ConfigDict) -> LMTask:
     return LMTask(model_config_from(config), z_loss=config.task.z_loss,
-                  remat=config.train.remat, logits_chunk=config.train.logits_chunk)
+                  remat=config.train.remat, logits_chunk=config.train.logits_chunk,
+                  init_from=config.task.init_from)
 
 
 register_task("lm", _build, _defaults, _validate)

@@ -97,7 +97,9 @@ def make_inputs(config: ml_collections.ConfigDict, vocab_size: int):
     common = dict(tokenizer=tokenizer, seq_len=d.seq_len, global_batch_size=d.batch_size,
                   data_dir=prepared.data_dir, domains=tuple(configs), process_index=index,
                   process_count=count)
-    train = data_lib.make_train_iterator(seed=d.seed, **common)
+    train_only = {x.strip() for x in d.train_domains.split(",") if x.strip()}
+    train_sources = tuple(k for k, dom in configs.items() if not train_only or dom in train_only)
+    train = data_lib.make_train_iterator(seed=d.seed, **dict(common, domains=train_sources))
     evals = None
     if d.eval_batches:
         evals = data_lib.make_eval_batches(
