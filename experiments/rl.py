@@ -86,6 +86,10 @@ def run(config, workdir: str) -> dict:
     from specjax import scheduling
     from specjax.scheduling import SchedulerConfig
 
+    if config.task.reward not in ("math", "digits"):
+        raise ValueError(f"config.task.reward must be 'math' or 'digits', got "
+                         f"{config.task.reward!r}")
+
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
     model, tok = build_target(config)
@@ -127,6 +131,8 @@ def run(config, workdir: str) -> dict:
     rollout = cluster.rollout.attach(cluster)
 
     def correct(prompts, completions, answer, **kw):
+        if config.task.reward == "digits":
+            return T.digit_reward(prompts, completions)
         return T.correctness_reward(prompts, completions, answer)
 
     def fmt(prompts, completions, **kw):
@@ -179,10 +185,29 @@ def run(config, workdir: str) -> dict:
         with mesh:
             results["rollout_speed"] = rollout_speed(rollout, prompts, rollout_config,
                                                      r.speed_repeats)
+    results["reward_trend"] = reward_trend(os.path.join(workdir, "rewards.jsonl"))
     with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     cluster.close()
     return results
+
+
+def reward_trend(path: str) -> dict:
+    """Per reward function in ``rewards.jsonl``: the mean reward of the first and the last quarter
+    of the training steps (at least one step each), and the number of steps."""
+    per_fn: dict = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                r = json.loads(line)
+                per_fn.setdefault(r["reward"], {})[r["step"]] = r["mean"]
+    out = {}
+    for name, by_step in per_fn.items():
+        means = [by_step[k] for k in sorted(by_step)]
+        q = max(1, len(means) // 4)
+        out[name] = {"steps": len(means), "first_quarter": sum(means[:q]) / q,
+                     "last_quarter": sum(means[-q:]) / q}
+    return out
 
 
 def rollout_speed(rollout, prompts, rollout_config, repeats: int) -> dict:

@@ -44,3 +44,21 @@ def test_tiny_grpo_runs_resumes_and_serves_fresh_weights(tmp_path):
         lines = [x for x in rewards if x["reward"] == name]
         assert [x["step"] for x in lines] == [0, 1, 2], name
         assert all(x["n"] == 2 * 4 and 0 <= x["mean"] <= 1 for x in lines), name
+    # results.json: the mean reward of the first and last quarter of the steps, per function
+    trend = res2["reward_trend"]
+    for name in ("correct", "fmt"):
+        means = [x["mean"] for x in rewards if x["reward"] == name]
+        assert trend[name] == {"steps": 3, "first_quarter": pytest.approx(means[0]),
+                               "last_quarter": pytest.approx(means[-1])}, name
+
+
+def test_digit_reward_and_unknown_reward_kind(tmp_path):
+    """The sanity reward is the fraction of digit characters; a reward kind the entry point does
+    not know is refused before anything is built."""
+    from specjax.rl import task as T
+    assert T.digit_reward(None, ["a1b2", "", "123", "xyz"]) == [0.5, 0.0, 1.0, 0.0]
+    config = rl_grpo.get_config("tiny")
+    config.unlock()
+    config.task.reward = "length"
+    with pytest.raises(ValueError, match="task.reward"):
+        rl.run(config, str(tmp_path))

@@ -52,6 +52,10 @@ def get_config(arg: str | None = None):
     c.task.n_train = 2000
     c.task.n_heldout = 200
     c.task.format_reward = 0.1  # 0 disables
+    # "math": 1 for a correct answer (specjax.rl.task.correctness_reward); "digits": the fraction
+    # of digits in the completion (task.digit_reward), a sanity check that GRPO raises a reward any
+    # policy can raise (docs/RL.md)
+    c.task.reward = "math"
 
     c.rl = ml_collections.ConfigDict()
     c.rl.steps = 100

@@ -87,6 +87,14 @@ def correctness_reward(prompts, completions, answer, **kwargs) -> list[float]:
     return [float(check_answer(int(a), c)) for a, c in zip(answer, completions)]
 
 
+def digit_reward(prompts, completions, **kwargs) -> list[float]:
+    """Fraction of the completion's characters that are digits (0 for an empty completion).
+
+    A sanity reward, not a task: any policy can raise it by writing more digits, so a GRPO run
+    on it that does not raise it points at the learning machinery, not at the policy."""
+    return [sum(ch.isdigit() for ch in c) / len(c) if c else 0.0 for c in completions]
+
+
 def format_reward(prompts, completions, weight: float = 0.1, **kwargs) -> list[float]:
     """``weight`` where the completion has an answer line ``#### <n>``, else 0."""
     return [weight if extract_answer(c) is not None else 0.0 for c in completions]
