@@ -226,7 +226,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--max_len", type=int, default=2048)
     ap.add_argument("--buckets", default="16,64,128,256,512")
-    ap.add_argument("--verify_order", choices=("host", "loop"), default="host",
+    from specjax.aot.programs import VERIFY_ORDERS
+    ap.add_argument("--verify_order", choices=VERIFY_ORDERS, default="host",
                     help="compile the host loop's verification step (keys/values written in the "
                          "forward) or the device loop's order (written after a read-only forward)")
     ap.add_argument("--traces", default=DEFAULT_TRACES)

@@ -113,6 +113,9 @@ def train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> Program:
 # ------------------------------------------------------------------------------------------------
 # engine device steps (an adapter over specjax.engine.steps: re-point here when they change)
 # ------------------------------------------------------------------------------------------------
+VERIFY_ORDERS = ("host", "loop")  # EngineShapes.verify_order
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineShapes:
     """Static shapes of the engine's compiled steps.
@@ -137,8 +140,9 @@ class EngineShapes:
     verify_order: str = "host"
 
     def __post_init__(self):
-        if self.verify_order not in ("host", "loop"):
-            raise ValueError(f"verify_order must be 'host' or 'loop', got {self.verify_order!r}")
+        if self.verify_order not in VERIFY_ORDERS:
+            raise ValueError(f"verify_order must be one of {VERIFY_ORDERS}, got "
+                             f"{self.verify_order!r}")
 
 
 def _engine_device_fns():

@@ -17,6 +17,7 @@ checkpoint that looks complete: :meth:`Checkpointer.latest_step` only sees finis
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Optional
 
 import jax
@@ -147,3 +148,14 @@ def restore_params(directory: str, abstract_params: Any, step: Optional[int] = N
         return restored.state["params"]
     finally:
         manager.close()
+
+
+def warm_start_params(workdir: str, abstract_params: Any) -> Any:
+    """The newest params of the run in ``workdir`` (its ``checkpoints/``), as host arrays shaped
+    like ``abstract_params`` (a pytree of ``ShapeDtypeStruct``): what a task's ``init_from``
+    starts a new run from (the trainer then places them with its own shardings)."""
+    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                            abstract_params)
+    directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    return jax.device_get(restore_params(directory, abstract))

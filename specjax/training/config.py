@@ -195,6 +195,11 @@ def _check_model(model: Mapping) -> None:
         raise ConfigError(f"config.model.overrides: {e}") from e
 
 
+def train_domain_names(data) -> set:
+    """The domains ``data.train_domains`` names (comma-separated; empty set = every domain)."""
+    return {x.strip() for x in data["train_domains"].split(",") if x.strip()}
+
+
 def validate_config(config: Any, *, num_devices: Optional[int] = None,
                     num_processes: int = 1) -> ml_collections.ConfigDict:
     """Checks ``config`` against the schema and returns a complete, locked ``ConfigDict``.
@@ -237,10 +242,10 @@ def validate_config(config: Any, *, num_devices: Optional[int] = None,
                           f"exceeds config.train.num_steps ({merged['train']['num_steps']})")
     _check_model(merged["model"])
     registry.validate_task_config(task_name, merged["task"])
-    train_domains = [x for x in merged["data"]["train_domains"].split(",") if x.strip()]
+    train_domains = train_domain_names(merged["data"])
     if train_domains:
         from specjax.data.corpus import DOMAINS
-        bad = sorted(set(x.strip() for x in train_domains) - set(DOMAINS))
+        bad = sorted(train_domains - set(DOMAINS))
         if bad or merged["data"]["kind"] != "embedded":
             raise ConfigError(f"config.data.train_domains: needs data.kind 'embedded' and names "
                               f"among {list(DOMAINS)}, got {merged['data']['train_domains']!r}")

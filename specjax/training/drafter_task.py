@@ -73,7 +73,7 @@ from specjax.drafters import (DraftLMDrafter, DSparkConfig, DSparkDrafter, MTPCo
 from specjax.drafters.dspark import DSparkModule
 from specjax.drafters.mtp import MTPHeads
 from specjax.models import ModelConfig, Transformer
-from specjax.training.checkpoint import restore_params
+from specjax.training.checkpoint import restore_params, warm_start_params
 from specjax.training.errors import ConfigError
 from specjax.training.lm_task import model_config_from
 from specjax.training.tasks import LOSS_WEIGHT, register_task
@@ -305,12 +305,7 @@ class DrafterTask:
         self._frozen = None
         self._init_values = None
         if t.init_from:
-            sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-            abs_p = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                                sharding=sharding),
-                                 self.abstract_params)
-            self._init_values = jax.device_get(
-                restore_params(os.path.join(os.path.abspath(t.init_from), "checkpoints"), abs_p))
+            self._init_values = warm_start_params(t.init_from, self.abstract_params)
         self._load_frozen = load_frozen
 
     # -- TrainTask -------------------------------------------------------------------------------

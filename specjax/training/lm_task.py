@@ -9,15 +9,13 @@ Batch (all ``[B, T]``; the layout of :mod:`specjax.data`'s pipeline):
 """
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
 from specjax.models import ModelConfig, Transformer, get_preset
-from specjax.training.checkpoint import restore_params
+from specjax.training.checkpoint import warm_start_params
 from specjax.training.errors import ConfigError
 from specjax.training.tasks import LOSS_WEIGHT, register_task
 
@@ -53,12 +51,7 @@ class LMTask:
         self._axes = nnx.to_pure_dict(axes)
         self._init_values = None
         if init_from:  # continued training: the newest params of another LM run, fresh optimizer
-            sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-            abstract_params = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                nnx.to_pure_dict(abstract_state))
-            directory = os.path.join(os.path.abspath(init_from), "checkpoints")
-            self._init_values = jax.device_get(restore_params(directory, abstract_params))
+            self._init_values = warm_start_params(init_from, nnx.to_pure_dict(abstract_state))
 
     # -- TrainTask -------------------------------------------------------------------------------
     def init_params(self, rng: jax.Array):

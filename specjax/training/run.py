@@ -19,7 +19,7 @@ import jax
 import ml_collections
 
 from specjax.training import distributed
-from specjax.training.config import validate_config
+from specjax.training.config import train_domain_names, validate_config
 from specjax.training.inputs import SyntheticLMIterator
 from specjax.training.lm_task import model_config_from
 from specjax.training.trainer import Trainer, TrainState
@@ -97,7 +97,7 @@ def make_inputs(config: ml_collections.ConfigDict, vocab_size: int):
     common = dict(tokenizer=tokenizer, seq_len=d.seq_len, global_batch_size=d.batch_size,
                   data_dir=prepared.data_dir, domains=tuple(configs), process_index=index,
                   process_count=count)
-    train_only = {x.strip() for x in d.train_domains.split(",") if x.strip()}
+    train_only = train_domain_names(d)
     train_sources = tuple(k for k, dom in configs.items() if not train_only or dom in train_only)
     train = data_lib.make_train_iterator(seed=d.seed, **dict(common, domains=train_sources))
     evals = None
