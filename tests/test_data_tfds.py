@@ -3,6 +3,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 
 import pytest
 import tensorflow_datasets as tfds
@@ -32,10 +33,16 @@ def built(tmp_path_factory):
     return data_dir, names
 
 
-def test_build_is_deterministic(built, tmp_path):
+def test_build_is_deterministic(built, tmp_path, monkeypatch):
     data_dir, names = built
     other = str(tmp_path / "tfds_b")
+    # the build leaves nothing in the temporary directory (TFDS used to leave one empty
+    # tmp*tfds directory per builder of a not-yet-prepared dataset)
+    scratch = tmp_path / "tempdir"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     assert build_corpus_dataset(other, max_docs=MAX_DOCS) == names
+    assert sorted(os.listdir(scratch)) == []
     a, b = _array_record_hashes(data_dir), _array_record_hashes(other)
     assert len(a) == 2 * len(corpus.DOMAINS)  # train + heldout per domain
     assert a == b

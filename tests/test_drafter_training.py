@@ -181,6 +181,16 @@ def test_frozen_teacher_switch_and_resume(tmp_path, reuse_compiles):
     for s in (3, 4):
         assert train[s]["loss"] == pytest.approx(train[s]["tv"], rel=1e-5)
 
+    # task.init_from: a new run starts from this run's newest params (the warm-start path of
+    # reproduce.py's fine-tuning stage); a workdir without checkpoints is refused, not created
+    warm = make_task(make_config(loss="tv", init_from=str(tmp_path / "a")))
+    for x, y in zip(jax.tree.leaves(warm.init_params(jax.random.key(1))),
+                    jax.tree.leaves(params_a)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(FileNotFoundError, match="init_from"):
+        make_task(make_config(loss="tv", init_from=str(tmp_path / "missing")))
+    assert not os.path.exists(tmp_path / "missing")
+
     # killed after step 3 (last checkpoint: step 2), resumed: same final params
     run_drafter(config, str(tmp_path / "b"), mesh=mesh, task=make_task(config), stop_after=3)
     res_b = run_drafter(config, str(tmp_path / "b"), mesh=mesh, task=make_task(config))

@@ -205,7 +205,9 @@ def compile_report(name: str, lower: Callable[[], Any], mesh: Mesh, topology: st
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     report.flops = float(cost.get("flops", 0.0))
     report.bytes_accessed = float(cost.get("bytes accessed", 0.0))
-    if "optimal_seconds" in cost:
+    # XLA's own time estimate; libtpu reports a negative number where it has none (seen for
+    # every v5e and v6e step), which must not pass for a time.
+    if float(cost.get("optimal_seconds", -1.0)) >= 0:
         report.compiler_seconds = float(cost["optimal_seconds"])
     if loop_multiplier > 1:
         # XLA's cost analysis counts a while loop's body once, whatever its trip count; scale the

@@ -64,6 +64,17 @@ def _config_name(domain: str, max_docs: int | None) -> str:
     return domain if max_docs is None else f"{domain}_first{max_docs}"
 
 
+class _LocalDatasetInfo(tfds.core.DatasetInfo):
+    """DatasetInfo of a dataset that is never published: nothing to look up in TFDS's bucket.
+
+    A builder whose data is not prepared yet asks ``initialize_from_bucket`` for published
+    metadata; TFDS makes a temporary directory for it first and never removes it (with GCS
+    disabled it then returns), so every such builder left an empty ``/tmp/tmp*tfds`` behind."""
+
+    def initialize_from_bucket(self) -> None:
+        return None
+
+
 class SpecjaxCorpusConfig(tfds.core.BuilderConfig):
     """Builder config: one corpus domain, optionally only its first ``max_docs`` documents/split."""
 
@@ -96,7 +107,7 @@ class SpecjaxCorpus(tfds.core.GeneratorBasedBuilder):
     def _info(self) -> tfds.core.DatasetInfo:
         # DatasetInfo directly, not dataset_info_from_configs: the latter reads README/CITATION
         # files from this module's package directory, which is specjax/data, not a TFDS folder.
-        return tfds.core.DatasetInfo(
+        return _LocalDatasetInfo(
             builder=self,
             description=("Embedded specjax corpus: generated arithmetic word problems (math), "
                          "Python standard library source (code), stdlib docstrings and pydoc "

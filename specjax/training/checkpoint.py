@@ -158,4 +158,7 @@ def warm_start_params(workdir: str, abstract_params: Any) -> Any:
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                             abstract_params)
     directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    if not os.path.isdir(directory):  # checked first: Orbax's manager would create it
+        raise FileNotFoundError(f"init_from={workdir!r}: no {directory}; give the workdir of a "
+                                "run that saved a checkpoint")
     return jax.device_get(restore_params(directory, abstract))
