@@ -59,3 +59,8 @@ def test_pod_config_keeps_the_tokens_per_step_at_any_sequence():
     for bad in ("3000", "0", "x"):
         with pytest.raises(ValueError, match="seq_len"):
             get_config(f"qwen3-8b,mtp,v5e-8,{bad}")
+    # the tries of `tpu_plan --table` are such configs: 4096 halved down to 512
+    from experiments.configs.tpu_pod import table_sequences
+    assert table_sequences() == [4096, 2048, 1024, 512]
+    for seq in table_sequences():
+        assert get_config(f"qwen3-8b,dspark,v5e-8,{seq}").data.batch_size * seq == TOKENS_PER_STEP

@@ -40,6 +40,16 @@ SHORTER_SEQ = {("v5e", "qwen3-8b"): 2048, ("v5e", "qwen3-4b"): 2048, ("v5e", "qw
 ROWS_PER_CHIP = 1  # microbatch rows per chip (more steps of gradient accumulation otherwise)
 
 
+def table_sequences(start: int = SEQ_LEN, floor: int = 512) -> list:
+    """The sequence lengths ``tpu_plan --table`` tries for a row, longest first: ``start`` halved
+    down to ``floor``. Each is this config at that sequence, so every try keeps the step's tokens
+    (twice the rows at half the sequence), where ``tpu_plan --fit`` keeps the rows."""
+    seqs = [start]
+    while seqs[-1] // 2 >= floor:
+        seqs.append(seqs[-1] // 2)
+    return seqs
+
+
 def get_config(arg: str | None = None):
     parts = [p for p in (arg or "qwen3-8b,mtp").split(",") if p]
     if len(parts) not in (2, 3, 4):
