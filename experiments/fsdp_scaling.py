@@ -88,6 +88,7 @@ def main(argv=None) -> list:
     ap.add_argument("--out", default="experiments/results/tpu/batch_fix/scaling.json")
     ap.add_argument("--quick", action="store_true",
                     help="the constrained mtp row on the smallest topology only")
+    ap.add_argument("--vocab", type=int, default=32768, help="vocabulary of the mtp rows")
     args = ap.parse_args(argv)
     if aot.libtpu_path() is None:
         raise SystemExit("fsdp_scaling compiles for TPU and needs libtpu: run `make libtpu`")
@@ -95,7 +96,7 @@ def main(argv=None) -> list:
     for constrained in ((True,) if args.quick else (False, True)):
         for topology, chips in (TOPOLOGIES[:1] if args.quick else TOPOLOGIES):
             rows.append(_row("mtp", topology, chips, constrained,
-                             compile_step(mtp_config(topology, chips), topology,
+                             compile_step(mtp_config(topology, chips, args.vocab), topology,
                                           constrained=constrained)))
             if args.quick:
                 continue

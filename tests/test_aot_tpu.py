@@ -151,29 +151,37 @@ def test_verification_step_does_not_copy_the_layered_cache_per_layer(order):
 def test_fsdp_keeps_the_batch_split_as_chips_grow(tmp_path):
     """Under FSDP the per-chip cost of a step at one row per chip must not grow with the chips.
 
-    The embedding lookup and the LM head used to come out of XLA's partitioner with the batch
-    replicated (the weights' ``fsdp`` sharding of ``D`` won over the tokens' ``fsdp`` sharding of
-    ``B``): this MTP + e2e-TV step needed 3.1 GiB of temporaries per chip on 4 chips and 11.7 GiB
-    on 16 (``experiments/fsdp_scaling.py``). ``specjax.models.partitioning.constrain_batch`` pins
-    the batch; the step now costs the same per chip on 4 and 16 chips. Every position is an
-    anchor: the target's full ``[B, T, V]`` logits, its embedding and the drafter's shared head are
-    all on the path.
+    Two ways it did, both found by compiling for TPU:
 
-    The 4-chip row comes from ``python -m experiments.fsdp_scaling --quick`` (its entry point:
-    it compiles that row for TPU and writes it), the 16-chip one from its ``compile_step``.
+    * The embedding lookup and the LM head came out of XLA's partitioner with the batch
+      replicated (the weights' ``fsdp`` sharding of ``D`` won over the tokens' ``fsdp`` sharding
+      of ``B``): this MTP + e2e-TV step needed 3.1 GiB of temporaries per chip on 4 chips and
+      11.7 GiB on 16 (``experiments/fsdp_scaling.py``, 32,768-token vocabulary).
+      ``specjax.models.partitioning.constrain_batch`` pins the batch.
+    * The TV loss walks its ``[rows, V]`` logits in row chunks whose outer factor carries the
+      batch sharding; at the Qwen3 vocabulary the default chunk was 48 rows, which 64 chips cannot
+      split, so part of the logits was replicated on every chip (Qwen3-0.6B + MTP: 4.0 GiB of
+      temporaries per chip on 8 chips, 15.1 GiB on 128). The chunk is now a multiple of the batch
+      shards (``specjax.losses._rows_per_chunk``).
+
+    Every position is an anchor: the target's full ``[B, T, V]`` logits, its embedding and the
+    drafter's shared head are all on the path. The 4-chip row comes from ``python -m
+    experiments.fsdp_scaling --quick`` (its entry point), the 64-chip one from its
+    ``compile_step``, both at the Qwen3 vocabulary.
     """
     import json
-    from experiments.fsdp_scaling import TOPOLOGIES, compile_step, main, mtp_config
+    from experiments.fsdp_scaling import compile_step, main, mtp_config
+    vocab = 151936
     out = tmp_path / "scaling.json"
-    rows = main(["--quick", "--out", str(out)])
+    rows = main(["--quick", "--vocab", str(vocab), "--out", str(out)])
     assert json.loads(out.read_text()) == rows
     assert [(r["step"], r["chips"], r["constrained"]) for r in rows] == [("mtp", 4, True)]
     (small,) = rows
     assert small["compiled"] and 0 < small["temp_gib"] < 16 and small["bytes_accessed_gb"] > 0
-    topo, chips = TOPOLOGIES[1]
-    big = compile_step(mtp_config(topo, chips), topo)
+    topo, chips = "v5e:8x8", 64
+    big = compile_step(mtp_config(topo, chips, vocab), topo)
     assert big.compiled, big.error
-    assert big.mesh["fsdp"] == chips == 16
+    assert big.mesh["fsdp"] == chips
     assert big.bytes_accessed / 1e9 <= 1.25 * small["bytes_accessed_gb"]
     assert big.temp_bytes / 2**30 <= 1.25 * small["temp_gib"] + 16 / 1024
 

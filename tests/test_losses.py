@@ -194,6 +194,31 @@ def test_tv_chunking_does_not_change_values_or_vmap():
     assert L._rows_per_chunk(12, 33, 5) == 4 and L._rows_per_chunk(13, 33, 5) == 1
 
 
+def test_default_tv_chunk_splits_over_the_batch_shards():
+    """The default row chunk is a multiple of the mesh's batch shards (its outer factor carries
+    the data-parallel sharding; a smaller chunk made XLA replicate part of the logits on every
+    chip), about the per-device budget on each, and unchanged without a mesh."""
+    from jax.sharding import AbstractMesh, AxisType
+    from specjax.models import partitioning
+    v = 151936
+    per_device = L.DEFAULT_CHUNK_ELEMENTS // v  # 55 rows at the Qwen3 vocabulary
+    n = 64 * 256 * 3  # one row of 256 anchors x γ = 3 per chip on 64 chips
+    assert L._rows_per_chunk(n, v, None) == 48  # the largest divisor of n up to 55
+    for shards in (2, 8, 64, 256):
+        rows = L._rows_per_chunk(n, v, None, shards)
+        assert n % rows == 0 and rows % shards == 0, shards
+        assert shards * per_device // 2 < rows <= shards * per_device, shards
+    assert L._rows_per_chunk(n, v, 5, 64) == 4  # an explicit chunk is taken as given
+    assert L._rows_per_chunk(n + 1, v, None, 64) == L._rows_per_chunk(n + 1, v, None)
+    explicit = (AxisType.Explicit,) * 3
+    with jax.sharding.use_abstract_mesh(AbstractMesh((2, 32, 4), ("data", "fsdp", "tensor"),
+                                                     axis_types=explicit)):
+        assert partitioning.batch_axes() == (("data", "fsdp"), 64)
+        with partitioning.unconstrained():
+            assert partitioning.batch_axes() == ((), 1)
+    assert partitioning.batch_axes() == ((), 1)
+
+
 def test_tv_bf16_logits():
     z, p = random_inputs(8, (4, 100))
     zb = jnp.asarray(z, jnp.bfloat16)

@@ -45,6 +45,17 @@ def unconstrained():
         _ENABLED.reset(token)
 
 
+def batch_axes() -> tuple:
+    """``(axes, shards)``: the active mesh's batch axes of size > 1 and the product of their
+    sizes; ``((), 1)`` outside a mesh or inside :func:`unconstrained`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not _ENABLED.get():
+        return (), 1
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    axes = tuple(a for a in BATCH_MESH_AXES if sizes.get(a, 1) > 1)
+    return axes, math.prod(sizes[a] for a in axes)
+
+
 def constrain_batch(x: jax.Array) -> jax.Array:
     """``x [B, ...]`` with its leading axis split over the active mesh's batch axes.
 
@@ -52,11 +63,7 @@ def constrain_batch(x: jax.Array) -> jax.Array:
     has no batch axis of size > 1, or when ``B`` is not divisible by their product (then the
     partitioner decides, as before).
     """
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not _ENABLED.get():
-        return x
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    axes = tuple(a for a in BATCH_MESH_AXES if sizes.get(a, 1) > 1)
-    if not axes or x.ndim == 0 or x.shape[0] % math.prod(sizes[a] for a in axes):
+    axes, shards = batch_axes()
+    if not axes or x.ndim == 0 or x.shape[0] % shards:
         return x
     return jax.lax.with_sharding_constraint(x, PartitionSpec(axes))
