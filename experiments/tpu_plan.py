@@ -57,7 +57,6 @@ _BUCKETS = flags.DEFINE_list("engine_buckets", [], "Verification token buckets (
 
 TABLE_TARGETS = ("qwen3-0.6b", "qwen3-4b", "qwen3-8b")
 TABLE_DRAFTERS = ("mtp", "dspark")
-TABLE_SLICES = ("v5p-64", "v6e-16", "v5e-8", "v5e-256")
 
 
 def _gib(x) -> str:
@@ -155,7 +154,7 @@ def plan(config, topology: str, programs, *, fit=False, tries=2, slots=64, max_l
 
 def table(out: str) -> list:
     """The docs/TPU.md grid (see the module docstring); rewrites ``out/table.*`` after each row."""
-    from experiments.configs.tpu_pod import get_config, table_sequences
+    from experiments.configs.tpu_pod import TABLE_SLICES, get_config, table_sequences
     rows, errors = [], []
     os.makedirs(out, exist_ok=True)
     for slice_name in TABLE_SLICES:

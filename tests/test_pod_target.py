@@ -64,3 +64,30 @@ def test_pod_config_keeps_the_tokens_per_step_at_any_sequence():
     assert table_sequences() == [4096, 2048, 1024, 512]
     for seq in table_sequences():
         assert get_config(f"qwen3-8b,dspark,v5e-8,{seq}").data.batch_size * seq == TOKENS_PER_STEP
+
+
+def test_pod_config_sequences_follow_the_compiled_table():
+    """``tpu_pod.py``'s default sequence for each slice, target and drafter of the docs/TPU.md
+    table is the longest one at which that row fits (``experiments/results/tpu/table.json``, from
+    ``tpu_plan``): the committed table and the config cannot drift apart. Other slices of a chip
+    take the shortest sequence listed for it."""
+    import json
+    import os
+
+    from experiments.configs.tpu_pod import SEQ_LEN, default_seq, get_config
+    path = os.path.join(os.path.dirname(__file__), "..", "experiments", "results", "tpu",
+                        "table.json")
+    slices = {("v5p", 32): "v5p-64", ("v6e", 16): "v6e-16", ("v5e", 8): "v5e-8",
+              ("v5e", 256): "v5e-256"}
+    tried = {}
+    for r in json.load(open(path)):
+        key = (slices[(r["chip"], r["num_devices"])], r["shapes"]["model"], r["shapes"]["drafter"])
+        tried.setdefault(key, []).append((r["shapes"]["seq"], r["fits"]))
+    assert len(tried) == 24  # 4 slices x 3 targets x 2 drafters
+    for (slice_name, target, drafter), rows in tried.items():
+        fit = max(seq for seq, fits in rows if fits)
+        assert all(not fits for seq, fits in rows if seq > fit)
+        assert get_config(f"{target},{drafter},{slice_name}").data.seq_len == fit, \
+            (slice_name, target, drafter)
+    assert default_seq("v5e:4x4", "qwen3-8b", "mtp") == 2048  # another v5e slice
+    assert default_seq("v6e:8x8", "qwen3-8b", "mtp") == SEQ_LEN

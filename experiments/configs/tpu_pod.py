@@ -32,12 +32,30 @@ import specjax.training.drafter_task  # noqa: F401  (registers the "drafter" tas
 
 TOKENS_PER_STEP = 256 * 4096  # global batch, whatever the sequence length
 SEQ_LEN = 4096
-# Sequence length where 4096 does not fit one row per chip in 90 % of HBM (v5e 16 GiB, v6e
-# 32 GiB, v5p 95 GiB), from experiments/results/tpu/table.json (docs/TPU.md): on v5e-8 the 8B
-# DSpark and 4B DSpark steps need 2048 (8B MTP did not fit at 4096 either); every v6e-16 and
-# v5p-64 row fits at 4096. The 0.6B target on v5e was not compiled: 2048 is kept from before.
-SHORTER_SEQ = {("v5e", "qwen3-8b"): 2048, ("v5e", "qwen3-4b"): 2048, ("v5e", "qwen3-0.6b"): 2048}
+# Sequence length per (slice, target, drafter) where a 4096-token row does not fit one chip in
+# 90 % of HBM (v5e 16 GiB, v6e 32 GiB, v5p 95 GiB): the longest sequence that fits in
+# experiments/results/tpu/table.json (docs/TPU.md; tests/test_pod_target.py checks that the two
+# agree). Every v5p-64 and v6e-16 row fits at 4096. Another slice of a listed chip takes the
+# shortest sequence listed for that chip, target and drafter.
+TABLE_SLICES = ("v5p-64", "v6e-16", "v5e-8", "v5e-256")  # the slices of docs/TPU.md's table
+SHORTER_SEQ = {
+    ("v5e-8", "qwen3-8b", "mtp"): 2048, ("v5e-8", "qwen3-8b", "dspark"): 2048,
+    ("v5e-8", "qwen3-4b", "dspark"): 2048,
+    ("v5e-256", "qwen3-8b", "mtp"): 2048, ("v5e-256", "qwen3-4b", "mtp"): 2048,
+}
 ROWS_PER_CHIP = 1  # microbatch rows per chip (more steps of gradient accumulation otherwise)
+
+
+def default_seq(slice_name: str, target: str, drafter: str) -> int:
+    """The config's sequence length: for a slice of the docs/TPU.md table, :data:`SHORTER_SEQ` or
+    4096; for another slice, the shortest listed for the same chip, target and drafter (e.g.
+    ``v5e-16`` or ``v5e:4x4``), else 4096."""
+    if slice_name in TABLE_SLICES:  # compiled: the table's answer
+        return SHORTER_SEQ.get((slice_name, target, drafter), SEQ_LEN)
+    gen = slice_name.split(":")[0].split("-")[0]
+    same_chip = [v for (s, t, d), v in SHORTER_SEQ.items()
+                 if s.split("-")[0] == gen and t == target and d == drafter]
+    return min(same_chip, default=SEQ_LEN)
 
 
 def table_sequences(start: int = SEQ_LEN, floor: int = 512) -> list:
@@ -58,8 +76,7 @@ def get_config(arg: str | None = None):
     target, drafter = parts[:2]
     slice_name = parts[2] if len(parts) >= 3 else "v5p-64"
     chips = num_chips(slice_name)
-    gen = slice_name.split(":")[0].split("-")[0]
-    seq = SHORTER_SEQ.get((gen, target), SEQ_LEN)
+    seq = default_seq(slice_name, target, drafter)
     if len(parts) == 4:
         if not parts[3].isdigit() or int(parts[3]) <= 0 or TOKENS_PER_STEP % int(parts[3]):
             raise ValueError(f"tpu_pod: seq_len must be a positive divisor of {TOKENS_PER_STEP}, "
