@@ -74,14 +74,14 @@ def test_pod_config_sequences_follow_the_compiled_table():
     import json
     import os
 
-    from experiments.configs.tpu_pod import SEQ_LEN, default_seq, get_config
+    from experiments.configs.tpu_pod import SEQ_LEN, TABLE_SLICES, default_seq, get_config
+    from specjax.aot.chips import topology_name
     path = os.path.join(os.path.dirname(__file__), "..", "experiments", "results", "tpu",
                         "table.json")
-    slices = {("v5p", 32): "v5p-64", ("v6e", 16): "v6e-16", ("v5e", 8): "v5e-8",
-              ("v5e", 256): "v5e-256"}
+    slices = {topology_name(s): s for s in TABLE_SLICES}
     tried = {}
     for r in json.load(open(path)):
-        key = (slices[(r["chip"], r["num_devices"])], r["shapes"]["model"], r["shapes"]["drafter"])
+        key = (slices[r["topology"]], r["shapes"]["model"], r["shapes"]["drafter"])
         tried.setdefault(key, []).append((r["shapes"]["seq"], r["fits"]))
     assert len(tried) == 24  # 4 slices x 3 targets x 2 drafters
     for (slice_name, target, drafter), rows in tried.items():

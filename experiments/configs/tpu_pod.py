@@ -25,7 +25,7 @@ directory every host mounts, e.g. a gcsfuse bucket)::
         --config.task.target_workdir /gcs/BUCKET/qwen3-8b-specjax \\
         --config.task.data_file /gcs/BUCKET/rows_4096.npz --workdir /gcs/BUCKET/runs/mtp-8b
 """
-from specjax.aot.chips import num_chips
+from specjax.aot.chips import chip_of, num_chips
 from specjax.models import get_preset
 from specjax.training.config import default_config
 import specjax.training.drafter_task  # noqa: F401  (registers the "drafter" task)
@@ -52,9 +52,9 @@ def default_seq(slice_name: str, target: str, drafter: str) -> int:
     ``v5e-16`` or ``v5e:4x4``), else 4096."""
     if slice_name in TABLE_SLICES:  # compiled: the table's answer
         return SHORTER_SEQ.get((slice_name, target, drafter), SEQ_LEN)
-    gen = slice_name.split(":")[0].split("-")[0]
+    chip = chip_of(slice_name).name
     same_chip = [v for (s, t, d), v in SHORTER_SEQ.items()
-                 if s.split("-")[0] == gen and t == target and d == drafter]
+                 if chip_of(s).name == chip and t == target and d == drafter]
     return min(same_chip, default=SEQ_LEN)
 
 

@@ -23,6 +23,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 
 def _allgather_json(value: Any) -> list:
@@ -150,6 +151,13 @@ def restore_params(directory: str, abstract_params: Any, step: Optional[int] = N
         manager.close()
 
 
+def run_checkpoints_dir(workdir: str) -> str:
+    """``<workdir>/checkpoints``, absolute for a local path; a URL (``gs://...``, what pods use)
+    is kept as given."""
+    base = workdir if "://" in workdir else os.path.abspath(workdir)
+    return os.path.join(base, "checkpoints")
+
+
 def warm_start_params(workdir: str, abstract_params: Any) -> Any:
     """The newest params of the run in ``workdir`` (its ``checkpoints/``), as host arrays shaped
     like ``abstract_params`` (a pytree of ``ShapeDtypeStruct``): what a task's ``init_from``
@@ -157,8 +165,8 @@ def warm_start_params(workdir: str, abstract_params: Any) -> Any:
     sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                             abstract_params)
-    directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-    if not os.path.isdir(directory):  # checked first: Orbax's manager would create it
+    directory = run_checkpoints_dir(workdir)
+    if not epath.Path(directory).is_dir():  # checked first: Orbax's manager would create it
         raise FileNotFoundError(f"init_from={workdir!r}: no {directory}; give the workdir of a "
                                 "run that saved a checkpoint")
     return jax.device_get(restore_params(directory, abstract))

@@ -58,7 +58,6 @@ heads), ``loss_weight``.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import jax
@@ -73,7 +72,7 @@ from specjax.drafters import (DraftLMDrafter, DSparkConfig, DSparkDrafter, MTPCo
 from specjax.drafters.dspark import DSparkModule
 from specjax.drafters.mtp import MTPHeads
 from specjax.models import ModelConfig, Transformer
-from specjax.training.checkpoint import restore_params, warm_start_params
+from specjax.training.checkpoint import restore_params, run_checkpoints_dir, warm_start_params
 from specjax.training.errors import ConfigError
 from specjax.training.lm_task import model_config_from
 from specjax.training.tasks import LOSS_WEIGHT, register_task
@@ -94,11 +93,6 @@ def _is_var(x) -> bool:
 def _axes_of(abstract_state) -> dict:
     axes = jax.tree.map(lambda v: tuple(v.logical_axes), abstract_state, is_leaf=_is_var)
     return nnx.to_pure_dict(axes)
-
-
-def _abspath(path: str) -> str:
-    """Absolute local path; URLs (``gs://...``, what pods use) unchanged."""
-    return path if "://" in path else os.path.abspath(path)
 
 
 def _opt(value: int) -> Optional[int]:
@@ -258,7 +252,7 @@ def load_target(target_config: ModelConfig, workdir: str = "", *, step: int = -1
     if not workdir:
         model = Transformer(target_config, rngs=nnx.Rngs(params=seed))
         return graphdef, nnx.to_pure_dict(nnx.state(model))
-    directory = os.path.join(_abspath(workdir), "checkpoints")
+    directory = run_checkpoints_dir(workdir)
     return graphdef, restore_params(directory, abstract, None if step < 0 else step)
 
 
@@ -343,7 +337,7 @@ class DrafterTask:
             return jax.device_put(self.init_frozen(), shardings)
         from specjax.training.checkpoint import abstract_with_shardings, restore_params
         abstract = abstract_with_shardings(self._target_abstract, shardings["target"])
-        directory = os.path.join(_abspath(t.target_workdir), "checkpoints")
+        directory = run_checkpoints_dir(t.target_workdir)
         step = None if t.target_step < 0 else t.target_step
         return {"target": restore_params(directory, abstract, step)}
 
