@@ -1,8 +1,19 @@
-r"""Per-chip cost of a training step at one row per chip, on 4 and 16 TPU chips, with and without
-the batch constraint of ``specjax.models.partitioning`` (docs/TPU.md, "FSDP kept the batch
-replicated"). Compiles for TPU on the CPU (needs libtpu, ``make libtpu``)::
+r"""Per-chip cost of a training step at one row per chip as the chips grow, before and after each
+of the two FSDP fixes in docs/TPU.md. Compiles for TPU on the CPU (needs libtpu, ``make libtpu``).
+
+``--study batch`` (default; "FSDP kept the batch replicated"): 4 and 16 chips, with and without
+the batch constraint of ``specjax.models.partitioning``::
 
     python -m experiments.fsdp_scaling --out experiments/results/tpu/batch_fix/scaling.json
+
+``--study chunk`` ("The TV loss's row chunks"): the MTP + e2e-TV step with the loss's row chunk
+before the fix (sized by the vocabulary alone) and after it (a multiple of the mesh's batch
+shards); the tiny model at the Qwen3 vocabulary on 4 and 64 chips (the regression test's pair),
+and Qwen3-0.6B at one 512-token row per chip on 8, 64, 128 and 256 v5e chips. About ten minutes
+on 2 CPU cores::
+
+    python -m experiments.fsdp_scaling --study chunk \
+        --out experiments/results/tpu/chunk_fix/scaling.json
 
 Tiny mode (``--quick``: the constrained ``mtp`` row on 4 chips only, under a minute)::
 
@@ -17,17 +28,47 @@ Rows (tiny model, 32,768-token vocabulary, 256 tokens per row, FSDP over every c
   without remat and with ``remat = full, logits_chunk = 128``.
 
 "Without" lowers the same program inside ``partitioning.unconstrained()``: the code before the fix.
+"Old chunk" lowers it inside :func:`old_row_chunk`: the loss's chunk rule before its fix.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 
-from specjax import aot
-from specjax.models import partitioning
+from specjax import aot, losses
+from specjax.models import get_preset, partitioning
 
 TOPOLOGIES = (("v5e:2x2", 4), ("v5e:4x4", 16))
+# --study chunk: (model, topology, chips, vocabulary or None for the model's own)
+CHUNK_ROWS = (("tiny", "v5e:2x2", 4, 151936), ("tiny", "v5e:8x8", 64, 151936),
+              ("qwen3-0.6b", "v5e:2x4", 8, None), ("qwen3-0.6b", "v5e:8x8", 64, None),
+              ("qwen3-0.6b", "v5e:8x16", 128, None), ("qwen3-0.6b", "v5e:16x16", 256, None))
+
+
+@contextlib.contextmanager
+def old_row_chunk():
+    """The TV / DSpark loss's default row chunk as it was before the fix: sized by the vocabulary
+    alone (``shards = 1``), whatever the mesh (``specjax.losses._rows_per_chunk``)."""
+    rule = losses._rows_per_chunk
+    losses._rows_per_chunk = lambda n_rows, vocab, chunk_size, shards=1: rule(
+        n_rows, vocab, chunk_size, 1)
+    try:
+        yield
+    finally:
+        losses._rows_per_chunk = rule
+
+
+def pod_mtp_config(target: str, topology: str, chips: int, seq: int = 512):
+    """``experiments/configs/tpu_pod.py``'s MTP + e2e-TV step for ``target`` at one ``seq``-token
+    row per chip and no gradient accumulation."""
+    from experiments.configs.tpu_pod import get_config
+    c = get_config(f"{target},mtp,{topology}")
+    c.unlock()
+    c.data.seq_len, c.data.batch_size, c.train.grad_accum_steps = seq, chips, 1
+    c.lock()
+    return c
 
 
 def mtp_config(topology: str, chips: int, vocab: int = 32768):
@@ -57,30 +98,53 @@ def lm_config(chips: int, *, vocab: int = 32768, seq: int = 256, rows_per_chip: 
     return c
 
 
-def compile_step(config, topology: str, *, constrained: bool = True) -> aot.ProgramReport:
+def compile_step(config, topology: str, *, constrained: bool = True,
+                 old_chunk: bool = False) -> aot.ProgramReport:
     """The trainer's step of ``config`` compiled for ``topology`` (``constrained=False``: the batch
-    constraint switched off while tracing)."""
+    constraint switched off while tracing; ``old_chunk=True``: the loss's row chunk before its
+    fix, :func:`old_row_chunk`)."""
     mesh = aot.topology_mesh(topology, config.mesh.to_dict())
     program = aot.train_step(config, mesh)
-    if not constrained:
-        lower = program.lower
+    lower = program.lower
 
-        def unconstrained_lower():
-            with partitioning.unconstrained():
-                return lower()
-        program.lower = unconstrained_lower
+    def lower_as_asked():
+        with contextlib.ExitStack() as stack:
+            if not constrained:
+                stack.enter_context(partitioning.unconstrained())
+            if old_chunk:
+                stack.enter_context(old_row_chunk())
+            return lower()
+    program.lower = lower_as_asked
     return aot.compile_program(program, mesh, topology)
 
 
-def _row(name: str, topology: str, chips: int, constrained: bool, r) -> dict:
+def _row(name: str, topology: str, chips: int, constrained: bool, r, **extra) -> dict:
     row = {"step": name, "topology": topology, "chips": chips, "constrained": constrained,
-           "compiled": r.compiled, "temp_gib": r.temp_bytes / 2**30,
+           **extra, "compiled": r.compiled, "temp_gib": r.temp_bytes / 2**30,
            "used_gib": r.used_bytes / 2**30, "bytes_accessed_gb": r.bytes_accessed / 1e9}
-    print(f"{name:6s} {topology} ({chips:2d}) constrained={constrained!s:5s} "
+    if not r.compiled:
+        row["error"] = (r.error or "")[:300]
+    tags = " ".join(f"{k}={v}" for k, v in extra.items())
+    print(f"{name:6s} {topology} ({chips:3d}) constrained={constrained!s:5s} {tags} "
           f"temps {row['temp_gib']:6.2f} GiB, used {row['used_gib']:6.2f} GiB, "
           f"{row['bytes_accessed_gb']:7.2f} GB accessed{'' if r.compiled else ' (refused)'}",
           flush=True)
     return row
+
+
+def chunk_study(rows_spec=CHUNK_ROWS) -> list:
+    """Rows of ``--study chunk``: each ``(model, topology, chips, vocab)`` of ``rows_spec`` with
+    the old and the new row chunk, in that order."""
+    rows = []
+    for model, topology, chips, vocab in rows_spec:
+        config = (mtp_config(topology, chips, vocab) if model == "tiny"
+                  else pod_mtp_config(model, topology, chips))
+        for old in (True, False):
+            r = compile_step(config, topology, old_chunk=old)
+            rows.append(_row("mtp", topology, chips, True, r, model=model,
+                             vocab=vocab or get_preset(model).vocab_size,
+                             chunk="old" if old else "new"))
+    return rows
 
 
 def main(argv=None) -> list:
@@ -89,11 +153,16 @@ def main(argv=None) -> list:
     ap.add_argument("--quick", action="store_true",
                     help="the constrained mtp row on the smallest topology only")
     ap.add_argument("--vocab", type=int, default=32768, help="vocabulary of the mtp rows")
+    ap.add_argument("--study", choices=("batch", "chunk"), default="batch",
+                    help="batch: the batch-constraint fix (4 and 16 chips); chunk: the loss's "
+                    "row-chunk fix (8-256 chips)")
     args = ap.parse_args(argv)
     if aot.libtpu_path() is None:
         raise SystemExit("fsdp_scaling compiles for TPU and needs libtpu: run `make libtpu`")
-    rows = []
-    for constrained in ((True,) if args.quick else (False, True)):
+    if args.study == "chunk" and (args.quick or args.vocab != 32768):
+        raise SystemExit("--study chunk has fixed rows: drop --quick / --vocab")
+    rows = chunk_study() if args.study == "chunk" else []
+    for constrained in (() if args.study == "chunk" else (True,) if args.quick else (False, True)):
         for topology, chips in (TOPOLOGIES[:1] if args.quick else TOPOLOGIES):
             rows.append(_row("mtp", topology, chips, constrained,
                              compile_step(mtp_config(topology, chips, args.vocab), topology,

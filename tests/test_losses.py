@@ -217,6 +217,12 @@ def test_default_tv_chunk_splits_over_the_batch_shards():
         with partitioning.unconstrained():
             assert partitioning.batch_axes() == ((), 1)
     assert partitioning.batch_axes() == ((), 1)
+    # experiments/fsdp_scaling.py --study chunk compiles "before the fix" with this switch: the
+    # vocabulary-only rule inside it, the current rule again after it
+    from experiments.fsdp_scaling import old_row_chunk
+    with old_row_chunk():
+        assert L._rows_per_chunk(n, v, None, 64) == 48
+    assert L._rows_per_chunk(n, v, None, 64) % 64 == 0
 
 
 def test_tv_bf16_logits():
