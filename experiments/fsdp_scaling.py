@@ -72,12 +72,11 @@ def pod_mtp_config(target: str, topology: str, chips: int, seq: int = 512):
 
 
 def mtp_config(topology: str, chips: int, vocab: int = 32768):
-    """The tiny MTP + e2e-TV step at one 256-token row per chip, every position an anchor."""
-    from experiments.configs.tpu_pod import get_config
-    c = get_config(f"tiny,mtp,{topology}")
+    """The tiny MTP + e2e-TV step at one 256-token row per chip (:func:`pod_mtp_config`) with a
+    ``vocab``-token vocabulary, every position an anchor."""
+    c = pod_mtp_config("tiny", topology, chips, seq=256)
     c.unlock()
     c.model.overrides.vocab_size = vocab
-    c.data.seq_len, c.data.batch_size, c.train.grad_accum_steps = 256, chips, 1
     c.task.anchors_per_row = 256
     c.lock()
     return c
@@ -147,6 +146,29 @@ def chunk_study(rows_spec=CHUNK_ROWS) -> list:
     return rows
 
 
+def batch_study(quick: bool = False, vocab: int = 32768) -> list:
+    """Rows of ``--study batch``: per constraint setting (without, then with; ``quick``: with
+    only), the ``mtp`` (``vocab``-token vocabulary) and ``lm`` steps on each of TOPOLOGIES, then
+    the ``remat`` pair on the smallest (``quick``: the ``mtp`` row on the smallest only)."""
+    rows = []
+    for constrained in ((True,) if quick else (False, True)):
+        for topology, chips in (TOPOLOGIES[:1] if quick else TOPOLOGIES):
+            rows.append(_row("mtp", topology, chips, constrained,
+                             compile_step(mtp_config(topology, chips, vocab), topology,
+                                          constrained=constrained)))
+            if quick:
+                continue
+            rows.append(_row("lm", topology, chips, constrained,
+                             compile_step(lm_config(chips), topology, constrained=constrained)))
+        topology, chips = TOPOLOGIES[0]
+        for remat, chunk in (() if quick else (("none", 0), ("full", 128))):
+            c = lm_config(chips, vocab=151936, seq=1024, rows_per_chip=8, remat=remat,
+                          logits_chunk=chunk)
+            rows.append(_row(f"remat:{remat}", topology, chips, constrained,
+                             compile_step(c, topology, constrained=constrained)))
+    return rows
+
+
 def main(argv=None) -> list:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="experiments/results/tpu/batch_fix/scaling.json")
@@ -161,22 +183,7 @@ def main(argv=None) -> list:
         raise SystemExit("fsdp_scaling compiles for TPU and needs libtpu: run `make libtpu`")
     if args.study == "chunk" and (args.quick or args.vocab != 32768):
         raise SystemExit("--study chunk has fixed rows: drop --quick / --vocab")
-    rows = chunk_study() if args.study == "chunk" else []
-    for constrained in (() if args.study == "chunk" else (True,) if args.quick else (False, True)):
-        for topology, chips in (TOPOLOGIES[:1] if args.quick else TOPOLOGIES):
-            rows.append(_row("mtp", topology, chips, constrained,
-                             compile_step(mtp_config(topology, chips, args.vocab), topology,
-                                          constrained=constrained)))
-            if args.quick:
-                continue
-            rows.append(_row("lm", topology, chips, constrained,
-                             compile_step(lm_config(chips), topology, constrained=constrained)))
-        topology, chips = TOPOLOGIES[0]
-        for remat, chunk in (() if args.quick else (("none", 0), ("full", 128))):
-            c = lm_config(chips, vocab=151936, seq=1024, rows_per_chip=8, remat=remat,
-                          logits_chunk=chunk)
-            rows.append(_row(f"remat:{remat}", topology, chips, constrained,
-                             compile_step(c, topology, constrained=constrained)))
+    rows = chunk_study() if args.study == "chunk" else batch_study(args.quick, args.vocab)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
