@@ -15,6 +15,22 @@ on 2 CPU cores::
     python -m experiments.fsdp_scaling --study chunk \
         --out experiments/results/tpu/chunk_fix/scaling.json
 
+``--study tiling``: why the new chunk saves memory even where the old one split evenly. Qwen3-0.6B
++ MTP at one 512-token row per chip on 8 v5e chips (6,144 loss rows: 2,048 anchors x 3 heads) with
+the row chunk forced to 48, 64, 96, 128 and 384 rows, i.e. 6, 8, 12, 16 and 48 rows per chip per
+loop step (48 is the old rule's chunk there, 384 the new one's). About seven minutes::
+
+    python -m experiments.fsdp_scaling --study tiling \
+        --out experiments/results/tpu/chunk_fix/tiling.json
+
+``--study accum``: Qwen3-4B + MTP needs more memory per chip on v5e-256 (one 4096-token row
+per chip, no accumulation) than on v5e-8 (the same microbatch of one row per chip, 32 of them
+accumulated). Both on 8 chips: the pod config's 256 x 4096 step (32 microbatches) and an 8 x 4096
+step (one microbatch, as every v5e-256 step is). About five minutes::
+
+    python -m experiments.fsdp_scaling --study accum \
+        --out experiments/results/tpu/chunk_fix/accum.json
+
 Tiny mode (``--quick``: the constrained ``mtp`` row on 4 chips only, under a minute)::
 
     python -m experiments.fsdp_scaling --quick --out /tmp/scaling_quick.json
@@ -60,6 +76,26 @@ def old_row_chunk():
         losses._rows_per_chunk = rule
 
 
+@contextlib.contextmanager
+def forced_row_chunk(rows: int):
+    """The TV / DSpark loss's row chunk fixed at ``rows`` (a divisor of the loss's rows),
+    whatever the vocabulary and the mesh (``specjax.losses._rows_per_chunk``). Yields a list that
+    collects the row count of each chunked loss traced inside."""
+    rule = losses._rows_per_chunk
+    seen = []
+
+    def fixed(n_rows, vocab, chunk_size, shards=1):
+        if n_rows % rows:
+            raise ValueError(f"a {rows}-row chunk does not divide the loss's {n_rows} rows")
+        seen.append(n_rows)
+        return rows
+    losses._rows_per_chunk = fixed
+    try:
+        yield seen
+    finally:
+        losses._rows_per_chunk = rule
+
+
 def pod_mtp_config(target: str, topology: str, chips: int, seq: int = 512):
     """``experiments/configs/tpu_pod.py``'s MTP + e2e-TV step for ``target`` at one ``seq``-token
     row per chip and no gradient accumulation."""
@@ -98,10 +134,12 @@ def lm_config(chips: int, *, vocab: int = 32768, seq: int = 256, rows_per_chip: 
 
 
 def compile_step(config, topology: str, *, constrained: bool = True,
-                 old_chunk: bool = False) -> aot.ProgramReport:
+                 old_chunk: bool = False, row_chunk: int = 0,
+                 loss_rows: list = None) -> aot.ProgramReport:
     """The trainer's step of ``config`` compiled for ``topology`` (``constrained=False``: the batch
     constraint switched off while tracing; ``old_chunk=True``: the loss's row chunk before its
-    fix, :func:`old_row_chunk`)."""
+    fix, :func:`old_row_chunk`; ``row_chunk > 0``: that chunk, :func:`forced_row_chunk`, with the
+    chunked losses' row counts appended to ``loss_rows`` if given)."""
     mesh = aot.topology_mesh(topology, config.mesh.to_dict())
     program = aot.train_step(config, mesh)
     lower = program.lower
@@ -112,6 +150,13 @@ def compile_step(config, topology: str, *, constrained: bool = True,
                 stack.enter_context(partitioning.unconstrained())
             if old_chunk:
                 stack.enter_context(old_row_chunk())
+            if row_chunk:
+                seen = stack.enter_context(forced_row_chunk(row_chunk))
+                try:
+                    return lower()
+                finally:
+                    if loss_rows is not None:
+                        loss_rows.extend(seen)
             return lower()
     program.lower = lower_as_asked
     return aot.compile_program(program, mesh, topology)
@@ -146,6 +191,38 @@ def chunk_study(rows_spec=CHUNK_ROWS) -> list:
     return rows
 
 
+TILING_CHUNKS = (48, 64, 96, 128, 384)
+
+
+def tiling_study(topology: str = "v5e:2x4", chips: int = 8, chunks=TILING_CHUNKS) -> list:
+    """Rows of ``--study tiling``: Qwen3-0.6B + MTP at one 512-token row per chip with each row
+    chunk of ``chunks`` forced (:func:`forced_row_chunk`)."""
+    config = pod_mtp_config("qwen3-0.6b", topology, chips)
+    rows = []
+    for chunk in chunks:
+        loss_rows = []
+        r = compile_step(config, topology, row_chunk=chunk, loss_rows=loss_rows)
+        rows.append(_row("mtp", topology, chips, True, r, model="qwen3-0.6b",
+                         vocab=get_preset("qwen3-0.6b").vocab_size, chunk_rows=chunk,
+                         rows_per_chip=chunk / chips, loss_rows=sorted(set(loss_rows))))
+    return rows
+
+
+def accum_study(target: str = "qwen3-4b", topology: str = "v5e:2x4", chips: int = 8,
+                seq: int = 4096) -> list:
+    """Rows of ``--study accum``: ``target`` + MTP on ``topology`` at one ``seq``-token row per
+    chip per microbatch, with the pod config's accumulation and without any."""
+    from experiments.configs.tpu_pod import get_config
+    pod = get_config(f"{target},mtp,{topology},{seq}")
+    rows = []
+    for config in (pod, pod_mtp_config(target, topology, chips, seq=seq)):
+        accum = config.train.grad_accum_steps
+        r = compile_step(config, topology)
+        rows.append(_row("mtp", topology, chips, True, r, model=target, seq=seq,
+                         batch=config.data.batch_size, grad_accum_steps=accum))
+    return rows
+
+
 def batch_study(quick: bool = False, vocab: int = 32768) -> list:
     """Rows of ``--study batch``: per constraint setting (without, then with; ``quick``: with
     only), the ``mtp`` (``vocab``-token vocabulary) and ``lm`` steps on each of TOPOLOGIES, then
@@ -175,15 +252,17 @@ def main(argv=None) -> list:
     ap.add_argument("--quick", action="store_true",
                     help="the constrained mtp row on the smallest topology only")
     ap.add_argument("--vocab", type=int, default=32768, help="vocabulary of the mtp rows")
-    ap.add_argument("--study", choices=("batch", "chunk"), default="batch",
+    ap.add_argument("--study", choices=("batch", "chunk", "tiling", "accum"), default="batch",
                     help="batch: the batch-constraint fix (4 and 16 chips); chunk: the loss's "
-                    "row-chunk fix (8-256 chips)")
+                    "row-chunk fix (8-256 chips); tiling: forced row chunks on 8 chips; accum: "
+                    "with and without gradient accumulation on 8 chips")
     args = ap.parse_args(argv)
     if aot.libtpu_path() is None:
         raise SystemExit("fsdp_scaling compiles for TPU and needs libtpu: run `make libtpu`")
-    if args.study == "chunk" and (args.quick or args.vocab != 32768):
-        raise SystemExit("--study chunk has fixed rows: drop --quick / --vocab")
-    rows = chunk_study() if args.study == "chunk" else batch_study(args.quick, args.vocab)
+    if args.study != "batch" and (args.quick or args.vocab != 32768):
+        raise SystemExit(f"--study {args.study} has fixed rows: drop --quick / --vocab")
+    rows = {"chunk": chunk_study, "tiling": tiling_study, "accum": accum_study}.get(
+        args.study, lambda: batch_study(args.quick, args.vocab))()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)

@@ -223,6 +223,14 @@ def test_default_tv_chunk_splits_over_the_batch_shards():
     with old_row_chunk():
         assert L._rows_per_chunk(n, v, None, 64) == 48
     assert L._rows_per_chunk(n, v, None, 64) % 64 == 0
+    # --study tiling forces a chunk, records the rows it was asked to split, refuses a non-divisor
+    from experiments.fsdp_scaling import forced_row_chunk
+    with forced_row_chunk(96) as seen:
+        assert L._rows_per_chunk(n, v, None, 64) == 96 == L._rows_per_chunk(n, v, 5)
+        with pytest.raises(ValueError, match="does not divide"):
+            L._rows_per_chunk(n + 1, v, None)
+    assert seen == [n, n]
+    assert L._rows_per_chunk(n, v, None, 64) % 64 == 0
 
 
 def test_tv_bf16_logits():
