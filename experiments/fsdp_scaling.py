@@ -134,12 +134,10 @@ def lm_config(chips: int, *, vocab: int = 32768, seq: int = 256, rows_per_chip: 
 
 
 def compile_step(config, topology: str, *, constrained: bool = True,
-                 old_chunk: bool = False, row_chunk: int = 0,
-                 loss_rows: list = None) -> aot.ProgramReport:
+                 old_chunk: bool = False) -> aot.ProgramReport:
     """The trainer's step of ``config`` compiled for ``topology`` (``constrained=False``: the batch
     constraint switched off while tracing; ``old_chunk=True``: the loss's row chunk before its
-    fix, :func:`old_row_chunk`; ``row_chunk > 0``: that chunk, :func:`forced_row_chunk`, with the
-    chunked losses' row counts appended to ``loss_rows`` if given)."""
+    fix, :func:`old_row_chunk`)."""
     mesh = aot.topology_mesh(topology, config.mesh.to_dict())
     program = aot.train_step(config, mesh)
     lower = program.lower
@@ -150,13 +148,6 @@ def compile_step(config, topology: str, *, constrained: bool = True,
                 stack.enter_context(partitioning.unconstrained())
             if old_chunk:
                 stack.enter_context(old_row_chunk())
-            if row_chunk:
-                seen = stack.enter_context(forced_row_chunk(row_chunk))
-                try:
-                    return lower()
-                finally:
-                    if loss_rows is not None:
-                        loss_rows.extend(seen)
             return lower()
     program.lower = lower_as_asked
     return aot.compile_program(program, mesh, topology)
@@ -200,8 +191,8 @@ def tiling_study(topology: str = "v5e:2x4", chips: int = 8, chunks=TILING_CHUNKS
     config = pod_mtp_config("qwen3-0.6b", topology, chips)
     rows = []
     for chunk in chunks:
-        loss_rows = []
-        r = compile_step(config, topology, row_chunk=chunk, loss_rows=loss_rows)
+        with forced_row_chunk(chunk) as loss_rows:  # compile_step lowers inside it
+            r = compile_step(config, topology)
         rows.append(_row("mtp", topology, chips, True, r, model="qwen3-0.6b",
                          vocab=get_preset("qwen3-0.6b").vocab_size, chunk_rows=chunk,
                          rows_per_chip=chunk / chips, loss_rows=sorted(set(loss_rows))))
@@ -216,10 +207,10 @@ def accum_study(target: str = "qwen3-4b", topology: str = "v5e:2x4", chips: int 
     pod = get_config(f"{target},mtp,{topology},{seq}")
     rows = []
     for config in (pod, pod_mtp_config(target, topology, chips, seq=seq)):
-        accum = config.train.grad_accum_steps
         r = compile_step(config, topology)
         rows.append(_row("mtp", topology, chips, True, r, model=target, seq=seq,
-                         batch=config.data.batch_size, grad_accum_steps=accum))
+                         batch=config.data.batch_size,
+                         grad_accum_steps=config.train.grad_accum_steps))
     return rows
 
 
