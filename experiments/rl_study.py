@@ -43,20 +43,21 @@ MODES = {
                  temps=(1.0,), drafter_steps=2, drafter_batch=8, n_rows=8, rl_steps=2, seeds=(0,),
                  eval_every=1, n_train=32, n_heldout=4, prompts_per_step=2, num_generations=2,
                  max_new_tokens=8, max_prompt_length=96, num_slots=4, learning_rate=1e-3,
-                 drafter_lr=1e-3, problem_seed=1234, head_seed=0),
+                 drafter_lr=1e-3, problem_seed=1234, head_seed=0, eval_samples=2),
     "small": dict(preset="tiny", warm_start=True, arms=ARM_NAMES,
                   losses=("ce", "kl", "tv", "e2e_tv"), gammas=(3, 5), caps=(64, 256),
                   temps=(0.6, 1.0), drafter_steps=100, drafter_batch=8, n_rows=128, rl_steps=20,
                   seeds=(0, 1, 2), eval_every=5, n_train=256, n_heldout=32, prompts_per_step=4,
                   num_generations=4, max_new_tokens=32, max_prompt_length=96, num_slots=16,
-                  learning_rate=1e-4, drafter_lr=1e-4, problem_seed=1234, head_seed=0),
+                  learning_rate=1e-4, drafter_lr=1e-4, problem_seed=1234, head_seed=0,
+                  eval_samples=4),
     "full": dict(preset="small", warm_start=True, arms=ARM_NAMES,
                  losses=("ce", "kl", "tv", "e2e_tv"), gammas=(3, 5, 7),
                  caps=(128, 256, 768), temps=(0.6, 1.0, 1.2), drafter_steps=300, drafter_batch=16,
                  n_rows=1024, rl_steps=100, seeds=(0, 1, 2), eval_every=10, n_train=2000,
                  n_heldout=200, prompts_per_step=8, num_generations=4, max_new_tokens=64,
                  max_prompt_length=96, num_slots=32, learning_rate=1e-5, drafter_lr=1e-4,
-                 problem_seed=1234, head_seed=0),
+                 problem_seed=1234, head_seed=0, eval_samples=4),
 }
 
 
@@ -94,10 +95,10 @@ def parse_overrides(items) -> dict:
 
 # Parameters that choose which finished results to use, not how they were produced: a workdir
 # resumes with other values of these.
-SELECTION_KEYS = ("arms", "overrides")
+SELECTION_KEYS = ("arms", "seeds", "overrides")
 # Parameters added after studies had been run, with the value those studies used: a workdir
 # whose params.json predates a key resumes as if it had recorded this value.
-LATER_KEYS = {"head_seed": 0}
+LATER_KEYS = {"head_seed": 0, "eval_samples": 0}
 
 
 def mode_params(mode: str, overrides: dict | None = None) -> dict:
@@ -263,8 +264,13 @@ def run_arms(p, model_factory, tok, adapt, workdir) -> list[dict]:
                 with open(os.path.join(d, "arm.json")) as f:
                     out.append(json.load(f))
                 continue
-            drafter, dparams, _ = load_drafter(
-                os.path.join(workdir, "adapt", base[arm["head"]]["name"]))
+            # no_spec never drafts: any trained head fills the rollout's drafter slot
+            head = arm["head"] if arm["method"] != "none" or arm["head"] in base else \
+                next(iter(base), arm["head"])
+            if head not in base:
+                raise ValueError(f"arm {arm['name']} needs a {head!r} head at the base cell; "
+                                 f"add it to --set losses= (trained: {sorted(base)})")
+            drafter, dparams, _ = load_drafter(os.path.join(workdir, "adapt", base[head]["name"]))
             out.append(run_arm(arm, seed, p, model_factory(), tok, drafter, dparams, d))
     return out
 

@@ -1,9 +1,11 @@
 """One GRPO arm of the RL study (``experiments/rl_study.py``): Tunix GRPO with a recording rollout.
 
 :class:`StudyRollout` is :class:`specjax.rl.SpeculativeRollout` plus what the study needs per RL
-step: held-out accuracy every ``eval_every`` steps (greedy, before the step's rollout: the policy
-after the previous update), cluster-robust errors of τ and entropy (clustered by sequence),
-the step's wall-clock split, and optionally one online drafter update on the step's rollouts
+step: held-out accuracy every ``eval_every`` steps (before the step's rollout: the policy after the
+previous update), greedy and, with ``eval_samples`` = k > 0, the mean reward of k samples per
+held-out problem at the rollout temperature (what GRPO optimises; its s.e. clustered by
+problem); cluster-robust errors of τ and entropy (clustered by sequence); the step's wall-clock
+split (evaluations left out), and optionally one online drafter update on the step's rollouts
 (:class:`specjax.rl.online.OnlineDrafterUpdate`). ``plain=True`` replaces speculative decoding by
 the plain decoder (:func:`specjax.models.generate.generate`): the no-speculation arm.
 """
@@ -19,6 +21,9 @@ import numpy as np
 from specjax.engine import Result
 from specjax.rl.rollout import SpeculativeRollout
 from specjax.rl.study_stats import clustered_ratio
+
+# base seed of the held-out sampled evaluation (+ the arm's seed): apart from the rollouts' seeds
+EVAL_SEED = 10_000
 
 
 class StudyRollout(SpeculativeRollout):
@@ -52,7 +57,9 @@ class StudyRollout(SpeculativeRollout):
         step = len(self.records)
         rec = {"step": step}
         if self._eval_fn is not None and step % self._eval_every == 0:
-            rec["heldout_accuracy"] = self._eval_fn(self)
+            t0 = time.perf_counter()
+            rec.update(self._eval_fn(self))
+            rec["eval_s"] = time.perf_counter() - t0  # not part of the previous step's time
         rec["t_start"] = time.perf_counter()
         out = super().generate(prompts, rollout_config, mode=mode, **kw)
         m = self.last_metrics
@@ -143,10 +150,27 @@ def run_arm(arm: dict, seed: int, p, model, tok, drafter, dparams, workdir: str)
                             max_prompt_length=p["max_prompt_length"], temperature=0.0,
                             eos_tokens=[ttok.eos_id()])
 
-    def eval_fn(rollout):
+    k = p["eval_samples"]
+    # the held-out reward GRPO optimises: k samples per problem at the rollout temperature
+    sampled_rc = RolloutConfig(max_tokens_to_generate=p["max_new_tokens"],
+                               max_prompt_length=p["max_prompt_length"],
+                               temperature=p["temperature"], eos_tokens=[ttok.eos_id()],
+                               seed=EVAL_SEED + seed)
+
+    def eval_fn(rollout) -> dict:
         with mesh:
             out = rollout.generate([q.prompt for q in heldout], eval_rc, mode="eval")
-        return T.accuracy(out.text, heldout)
+            correct = T.accuracy_per_problem(out.text, heldout, 1)
+            rec = {"heldout_accuracy": float(correct.mean()),
+                   "heldout_correct": correct.astype(int).tolist()}
+            if k:
+                out = rollout.generate([q.prompt for q in heldout for _ in range(k)], sampled_rc,
+                                       mode="eval")
+                per = T.accuracy_per_problem(out.text, heldout, k)
+                rec.update(heldout_sampled_accuracy=float(per.mean()),
+                           heldout_sampled_se=float(per.std(ddof=1) / np.sqrt(per.size)),
+                           heldout_sampled_per_problem=per.tolist())
+        return rec
 
     updater = None
     if arm["online"]:
@@ -184,15 +208,18 @@ def run_arm(arm: dict, seed: int, p, model, tok, drafter, dparams, workdir: str)
     learner.train(T.batches(train, p["prompts_per_step"], seed, p["rl_steps"]))
     t_end = time.perf_counter()
     rollout.update_params(nnx.state(rollout.model(), nnx.Param))
-    acc_end = eval_fn(rollout)
+    end = eval_fn(rollout)
     recs = rollout.records
     for i, r in enumerate(recs):
-        nxt = recs[i + 1]["t_start"] if i + 1 < len(recs) else t_end
+        # the next step's evaluation runs before its t_start: not this step's time
+        nxt = recs[i + 1]["t_start"] - recs[i + 1].get("eval_s", 0.0) if i + 1 < len(recs) \
+            else t_end
         r["step_s"] = nxt - r.pop("t_start")
         r.update(rewards_log[i] if i < len(rewards_log) else {})
         r["update_s"] = r["step_s"] - r["rollout_s"] - r.get("reward_s", 0.0) - \
             r.get("drafter_update_s", 0.0)
-    out = {"arm": arm["name"], "seed": seed, "records": recs, "heldout_accuracy_end": acc_end,
+    out = {"arm": arm["name"], "seed": seed, "records": recs,
+           "heldout_accuracy_end": end.pop("heldout_accuracy"), "heldout_end": end,
            "n_heldout": len(heldout), "train_seconds": t_end - t0}
     with open(os.path.join(workdir, "arm.json"), "w") as f:
         json.dump(out, f, indent=1)

@@ -13,8 +13,8 @@ import numpy as np
 
 from specjax.rl.study_stats import decompose_delta_alpha, mean_se, ols_slope
 
-SERIES = ("acceptance", "tau", "entropy", "reward", "heldout_accuracy", "rollout_s", "step_s",
-          "reward_s", "update_s")
+SERIES = ("acceptance", "tau", "entropy", "reward", "heldout_accuracy", "heldout_sampled_accuracy",
+          "rollout_s", "step_s", "reward_s", "update_s")
 
 
 def _series(records, key):
@@ -66,14 +66,57 @@ def summarize(p: dict, adapt: list[dict], arms: list[dict]) -> dict:
         acc0 = [r["records"][0].get("heldout_accuracy") for r in runs]
         gains = [r["heldout_accuracy_end"] - a0 for r, a0 in zip(runs, acc0) if a0 is not None]
         a["accuracy_gain"] = mean_se(gains)
-        # latency: step 0 compiles, so it is left out when there are later steps
-        lat = slice(1, None) if steps > 1 else slice(0, None)
-        a["rollout_s"] = mean_se([np.mean(_series(r["records"][lat], "rollout_s")) for r in runs])
-        a["step_s"] = mean_se([np.mean(_series(r["records"][lat], "step_s")) for r in runs])
+        for metric, key in (("greedy", "heldout_correct"),
+                            ("sampled", "heldout_sampled_per_problem")):
+            g = _paired_gain(runs, key)
+            if g is not None:
+                a[f"{metric}_gain"] = g
+        a["rollout_s"] = mean_se([np.mean(_latency(r["records"], "rollout_s")) for r in runs])
+        a["step_s"] = mean_se([np.mean(_latency(r["records"], "step_s")) for r in runs])
         out_arms[name] = a
     claims = _claims(out_arms, by_arm)
     return {"mode": p["mode"], "params": {k: v for k, v in p.items()}, "adaptation": adapt,
             "adaptation_gain_e2e_tv_vs_kl": _gains(adapt), "arms": out_arms, "claims": claims}
+
+
+def _latency(records: list[dict], key: str) -> list[float]:
+    """``key`` of the steps that time the RL step alone.
+
+    Step 0 compiles, so it is left out when there are later steps. Runs recorded before
+    ``eval_s`` existed counted the next step's held-out evaluation in a step's ``step_s``: those
+    steps (followed by an evaluation without ``eval_s``) are left out too."""
+    keep = []
+    for t, r in enumerate(records):
+        nxt = records[t + 1] if t + 1 < len(records) else {}
+        if (t == 0 and len(records) > 1) or (nxt.get("heldout_accuracy") is not None
+                                                and "eval_s" not in nxt):
+            continue
+        keep.append(r[key])
+    return keep
+
+
+def _per_problem_change(run: dict, key: str):
+    """``[n_heldout]`` end minus step-0 value of ``key`` per held-out problem, or None."""
+    start, end = run["records"][0].get(key), run.get("heldout_end", {}).get(key)
+    if start is None or end is None:
+        return None
+    return np.asarray(end, np.float64) - np.asarray(start, np.float64)
+
+
+def _paired_gain(runs: list[dict], key: str) -> dict | None:
+    """Held-out accuracy gain (step 0 -> end) of one arm, from per-problem values ``key``.
+
+    Per seed: the mean change over the held-out problems, with its s.e. over problems (the same
+    problems are scored before and after, so the change is paired by problem; this s.e. is the
+    evaluation's noise only). Over seeds: ``mean_se`` of the per-seed gains, which also carries
+    the training run's noise (nan for one seed)."""
+    per_seed = []
+    for r in runs:
+        d = _per_problem_change(r, key)
+        if d is None:
+            return None
+        per_seed.append([float(d.mean()), float(d.std(ddof=1) / np.sqrt(d.size))])
+    return {"per_seed": per_seed, "over_seeds": mean_se([g for g, _ in per_seed])}
 
 
 def _gains(adapt):
@@ -112,6 +155,34 @@ def _claims(arms, by_arm):
         c["accuracy_gain_equal_within_noise"] = {
             "paired_diff_rs_e2e_tv_minus_no_spec": [d, se],
             "holds": bool(np.isfinite(se) and abs(d) <= 2 * se) if len(diffs) > 1 else None}
+        # the same on the sampled held-out reward, paired by seed and by problem: per seed the
+        # difference of the two arms' per-problem changes (its s.e. over problems)
+        per_seed = []
+        for r in by_arm["rs_e2e_tv"]:
+            base = g0.get(r["seed"])
+            a_, b_ = (_per_problem_change(x, "heldout_sampled_per_problem")
+                      for x in (r, base or {"records": [{}]}))
+            if a_ is not None and b_ is not None:
+                dd = a_ - b_
+                per_seed.append([float(dd.mean()), float(dd.std(ddof=1) / np.sqrt(dd.size))])
+        if per_seed:
+            m, se_s = mean_se([x for x, _ in per_seed])
+            se = se_s if len(per_seed) > 1 else per_seed[0][1]
+            c["sampled_gain_equal_within_noise"] = {
+                "paired_diff_rs_e2e_tv_minus_no_spec": [m, se], "per_seed": per_seed,
+                "se_over": "seeds" if len(per_seed) > 1 else "held-out problems (one seed)",
+                "holds": bool(abs(m) <= 2 * se)}
+    for name, a in arms.items():
+        g = {}
+        for metric in ("greedy", "sampled"):
+            if f"{metric}_gain" in a:
+                x = a[f"{metric}_gain"]
+                m, se = x["over_seeds"] if len(x["per_seed"]) > 1 else x["per_seed"][0]
+                g[metric] = {"gain": m, "se": se, "holds": bool(m > se),
+                             "se_over": "seeds" if len(x["per_seed"]) > 1
+                             else "held-out problems (one seed)"}
+        if g:
+            c.setdefault("grpo_raises_heldout_accuracy", {})[name] = g
     if "no_spec" in arms:
         base = arms["no_spec"]["rollout_s"][0]
         c["rollout_speedup_vs_no_spec"] = {
@@ -193,6 +264,18 @@ def _arm_figures(arms: dict, save, plt) -> None:
     ax.bar(x + 0.2, [arms[n]["step_s"][0] for n in names], 0.4, label="step")
     ax.set_xticks(x, names, rotation=30, fontsize=7), ax.set_ylabel("seconds"), ax.legend()
     save(fig, "fig7_latency")
+    # held-out accuracy through RL: greedy and (when measured) sampled at the rollout temperature
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for i, n in enumerate(arms):
+        for key, style in (("heldout_accuracy", "o-"), ("heldout_sampled_accuracy", "s--")):
+            v = arms[n]["mean"].get(key) or []
+            pts = [(t, x) for t, x in enumerate(v) if x is not None]
+            if pts:
+                ax.plot(*zip(*pts), style, color=f"C{i}", ms=3,
+                        label=f"{n}, {'greedy' if key == 'heldout_accuracy' else 'sampled'}")
+    ax.set_xlabel("RL step (evaluated before the step's rollout)")
+    ax.set_ylabel("held-out accuracy"), ax.legend(fontsize=7)
+    save(fig, "heldout_accuracy")
 
 
 def _pm(ms, scale=1.0, fmt=".2f"):
@@ -249,6 +332,24 @@ def study_markdown(summary: dict) -> str:
             f"{acc[0] + a['accuracy_gain'][0] if acc else float('nan'):.3f} | "
             f"{_pm(a['accuracy_gain'], 100, '+.1f')} | {_pm(a['rollout_s'])} | "
             f"{_pm(a['step_s'])} |")
+    gains = [(n, a) for n, a in summary["arms"].items() if "greedy_gain" in a]
+    if gains:
+        lines += ["", "**Held-out accuracy gain**, step 0 → end (points; per seed ± s.e. over "
+                  "the held-out problems, paired by problem; last column: mean ± s.e. over "
+                  "seeds):", "",
+                  "| arm | metric | start → end | gain per seed | over seeds |",
+                  "|---|---|---|---|---|"]
+        for n, a in gains:
+            for metric, key in (("greedy", "heldout_accuracy"),
+                                ("sampled", "heldout_sampled_accuracy")):
+                g = a.get(f"{metric}_gain")
+                if g is None:
+                    continue
+                v = [x for x in a["mean"].get(key) or [] if x is not None]
+                start = f"{v[0]:.3f} → {v[0] + g['over_seeds'][0]:.3f}" if v else "-"
+                seeds = ", ".join(_pm(x, 100, "+.1f") for x in g["per_seed"])
+                lines.append(f"| {n} | {metric} | {start} | {seeds} | "
+                             f"{_pm(g['over_seeds'], 100, '+.1f')} |")
     lines += ["", "**Claims:**", ""]
     for k, v in summary["claims"].items():
         lines.append(f"- `{k}`: {v}")

@@ -94,7 +94,7 @@ def check_study(summary: dict, results_dir: str, mode: str) -> None:
                                atol=1e-12)
         assert 0.0 <= m["heldout_accuracy"][0] <= 1.0
     for fig in ("fig3_decomposition", "fig6_accept_length", "fig7_latency", "fig8_entropy_slope",
-                "fig9a_online_updates", "adaptation"):
+                "fig9a_online_updates", "heldout_accuracy", "adaptation"):
         assert os.path.getsize(os.path.join(results_dir, f"{fig}_{mode}.png")) > 1000
 
 
@@ -129,6 +129,8 @@ def test_study_overrides_are_typed_and_checked(tmp_path):
     # choosing a subset of the arms does not change how the finished ones were produced
     sub = S.parse_overrides(["arms=no_spec,rs_e2e_tv"])
     S._check_workdir_params(str(tmp_path), S.mode_params("small", dict(o, **sub)))
+    # ... nor does choosing more seeds (each arm / seed is its own run)
+    S._check_workdir_params(str(tmp_path), S.mode_params("small", dict(o, seeds=(0, 1, 2))))
     # "arms=" is the adaptation alone; an empty list of anything else is still an error
     assert S.parse_overrides(["arms="]) == {"arms": ()}
     S._check_workdir_params(str(tmp_path), S.mode_params("small", dict(o, arms=())))
@@ -145,6 +147,12 @@ def test_study_overrides_are_typed_and_checked(tmp_path):
     S._check_workdir_params(str(old), p)
     with pytest.raises(ValueError, match="head_seed"):
         S._check_workdir_params(str(old), S.mode_params("small", dict(o, head_seed=2)))
+    # ... and one written before eval_samples existed as eval_samples = 0 (no sampled eval)
+    del stored["eval_samples"]
+    (old / "params.json").write_text(json.dumps(stored))
+    S._check_workdir_params(str(old), S.mode_params("small", dict(o, eval_samples=0)))
+    with pytest.raises(ValueError, match="eval_samples"):
+        S._check_workdir_params(str(old), p)
 
 
 def test_adaptation_only_summary_has_no_arm_tables_or_figures(tmp_path):
@@ -266,3 +274,67 @@ def test_rollout_speed_benchmark_measures_every_decoder():
     assert r["measured_over_bound"] == pytest.approx(d["spec"]["speedup"] / r["bound"])
     for name in ("engine_none", "spec", "spec_filters"):  # admitting took some of each rep
         assert 0 < d[name]["prefill_s"] < d[name]["wall_s"], name
+
+
+def test_accuracy_per_problem_groups_samples_by_problem():
+    from specjax.data.math_problems import MathProblem
+    from specjax.rl import task as T
+    probs = [MathProblem(question="q1", answer=3, solution=""),
+             MathProblem(question="q2", answer=5, solution="")]
+    per = T.accuracy_per_problem(["#### 3", "#### 4", "#### 3", "#### 5", "x", "#### 5"], probs, 3)
+    assert per.tolist() == pytest.approx([2 / 3, 2 / 3])
+    assert T.accuracy_per_problem(["#### 3", "#### 4"], probs, 1).tolist() == [1.0, 0.0]
+    with pytest.raises(ValueError, match="completions"):
+        T.accuracy_per_problem(["#### 3"] * 5, probs, 3)
+
+
+def test_heldout_gains_are_paired_by_problem():
+    """One seed, four held-out problems: gains and their s.e. over problems, by hand."""
+    from experiments.rl_study_report import study_markdown, summarize
+
+    def run(arm, greedy, sampled):
+        recs = [{"entropy": 0.3, "reward": 0.1, "rollout_s": 1.0, "step_s": 2.0,
+                 "heldout_accuracy": float(np.mean(greedy[0])), "heldout_correct": greedy[0],
+                 "heldout_sampled_accuracy": float(np.mean(sampled[0])),
+                 "heldout_sampled_per_problem": sampled[0]}] + \
+               [{"entropy": 0.3, "reward": 0.1, "rollout_s": 1.0, "step_s": 2.0}]
+        return {"arm": arm, "seed": 0, "records": recs,
+                "heldout_accuracy_end": float(np.mean(greedy[1])),
+                "heldout_end": {"heldout_correct": greedy[1],
+                                "heldout_sampled_accuracy": float(np.mean(sampled[1])),
+                                "heldout_sampled_per_problem": sampled[1]}}
+
+    start = [0.25, 0.5, 0.0, 0.0]
+    arms = [run("no_spec", ([0, 1, 0, 0], [1, 1, 0, 1]), (start, [0.5, 0.5, 0.25, 0.25])),
+            run("rs_e2e_tv", ([0, 1, 0, 0], [0, 1, 0, 0]), (start, [0.25, 0.5, 0.25, 0.25]))]
+    s = summarize({"mode": "test", "gamma": 2}, [], arms)
+    ns = s["arms"]["no_spec"]
+    # greedy: changes (1, 0, 0, 1): mean 1/2, s.d. sqrt(1/3), s.e. sqrt(1/3) / 2
+    assert ns["greedy_gain"]["per_seed"][0] == pytest.approx([0.5, math.sqrt(1 / 3) / 2])
+    # sampled: changes (1/4, 0, 1/4, 1/4): mean 3/16, s.d. 1/8, s.e. 1/16
+    assert ns["sampled_gain"]["per_seed"][0] == pytest.approx([0.1875, 0.0625])
+    assert math.isnan(ns["sampled_gain"]["over_seeds"][1])  # one seed: no s.e. over seeds
+    c = s["claims"]
+    raised = c["grpo_raises_heldout_accuracy"]
+    assert raised["no_spec"]["sampled"]["holds"] and raised["no_spec"]["greedy"]["holds"]
+    assert raised["rs_e2e_tv"]["greedy"] == {"gain": 0.0, "se": 0.0, "holds": False,
+                                             "se_over": "held-out problems (one seed)"}
+    # rs - no_spec per problem: (-1/4, 0, 0, 0): mean -1/16, s.d. 1/8, s.e. 1/16
+    eq = c["sampled_gain_equal_within_noise"]
+    assert eq["paired_diff_rs_e2e_tv_minus_no_spec"] == pytest.approx([-0.0625, 0.0625])
+    assert eq["holds"]
+    s["params"].update(temperature=1.0, seeds=(0,), rl_steps=2)
+    md = study_markdown(s)
+    assert "| no_spec | sampled | 0.188 → 0.375 | +18.8 ± 6.2 | +18.8 |" in md
+    assert "| rs_e2e_tv | greedy | 0.250 → 0.250 | +0.0 ± 0.0 | +0.0 |" in md
+
+
+def test_latency_leaves_out_compilation_and_evaluations():
+    from experiments.rl_study_report import _latency
+    recs = [{"step_s": 9.0, "heldout_accuracy": 0.1}, {"step_s": 1.0}, {"step_s": 5.0},
+            {"step_s": 2.0, "heldout_accuracy": 0.2}, {"step_s": 3.0}]
+    # step 0 compiles; step 2's time held step 3's evaluation (recorded before eval_s existed)
+    assert _latency(recs, "step_s") == [1.0, 2.0, 3.0]
+    recs[3]["eval_s"] = 4.0  # recorded apart: step 2's time is its own
+    assert _latency(recs, "step_s") == [1.0, 5.0, 2.0, 3.0]
+    assert _latency(recs[:1], "step_s") == [9.0]  # one step: its time, compile included

@@ -18,7 +18,7 @@ import numpy as np
 from specjax.data.math_problems import MathProblem, check_answer, extract_answer, math_problems
 
 __all__ = ["TunixTokenizer", "split_problems", "batches", "correctness_reward", "format_reward",
-           "accuracy"]
+           "accuracy", "accuracy_per_problem"]
 
 
 class TunixTokenizer:
@@ -105,3 +105,22 @@ def accuracy(completions: Sequence[str], problems: Sequence[MathProblem]) -> flo
     if not problems:
         raise ValueError("no problems")
     return sum(check_answer(p, c) for p, c in zip(problems, completions)) / len(problems)
+
+
+def accuracy_per_problem(completions: Sequence[str], problems: Sequence[MathProblem],
+                         samples: int) -> np.ndarray:
+    """``[len(problems)]`` fraction of correct completions per problem.
+
+    ``completions`` holds ``samples`` completions per problem, problem-major (problem 0's
+    ``samples`` completions first). The per-problem means are the clusters of an honest standard
+    error: completions of one problem are correlated (the problem's difficulty), so the error of
+    the overall mean is ``std(per-problem means) / sqrt(len(problems))``, not a binomial one over
+    every completion."""
+    if samples < 1 or not problems:
+        raise ValueError(f"need samples >= 1 and problems, got {samples}, {len(problems)}")
+    if len(completions) != samples * len(problems):
+        raise ValueError(f"{len(completions)} completions for {len(problems)} problems x "
+                         f"{samples} samples")
+    ok = np.array([check_answer(problems[i // samples].answer, c)
+                   for i, c in enumerate(completions)], np.float64)
+    return ok.reshape(len(problems), samples).mean(axis=1)
