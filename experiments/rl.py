@@ -164,21 +164,38 @@ def run(config, workdir: str) -> dict:
                             max_prompt_length=r.max_prompt_length, temperature=0.0,
                             eos_tokens=[ttok.eos_id()])
 
-    def heldout_accuracy():
-        with mesh:  # the context Tunix runs rollouts in (jit caches are keyed on it)
-            out = rollout.generate([p.prompt for p in heldout], eval_rc, mode="eval")
-        return T.accuracy(out.text, heldout)
+    # the held-out reward GRPO maximises: eval_samples completions per problem at the RL
+    # temperature (its own seed), beside greedy accuracy
+    sampled_rc = RolloutConfig(max_tokens_to_generate=r.eval_max_new_tokens,
+                               max_prompt_length=r.max_prompt_length, temperature=r.temperature,
+                               top_p=r.top_p, eos_tokens=[ttok.eos_id()],
+                               seed=config.seed + 10_000)
 
-    acc0 = heldout_accuracy()
+    def heldout_eval():
+        with mesh:  # the context Tunix runs rollouts in (jit caches are keyed on it)
+            return T.heldout_eval(functools.partial(rollout.generate, mode="eval"), heldout,
+                                  eval_rc, sampled_rc, r.eval_samples)
+
+    ev0 = heldout_eval()
     t0 = time.perf_counter()
     learner.train(T.batches(train, r.prompts_per_step, config.seed, r.steps))
     train_s = time.perf_counter() - t0
     rollout.update_params(nnx.state(rollout.model(), nnx.Param))
-    acc1 = heldout_accuracy()
+    ev1 = heldout_eval()
     results = {"start_step": start_step, "end_step": int(cluster.global_steps),
-               "heldout_accuracy_start": acc0, "heldout_accuracy_end": acc1,
+               "heldout_accuracy_start": ev0["heldout_accuracy"],
+               "heldout_accuracy_end": ev1["heldout_accuracy"],
+               "heldout_greedy_gain": T.paired_gain(ev0["heldout_correct"],
+                                                    ev1["heldout_correct"]),
                "n_heldout": len(heldout), "train_seconds": train_s,
                "devices": n_dev, "method": e.method, "gamma": e.gamma}
+    if r.eval_samples:
+        results.update(
+            eval_samples=r.eval_samples,
+            heldout_sampled_accuracy_start=ev0["heldout_sampled_accuracy"],
+            heldout_sampled_accuracy_end=ev1["heldout_sampled_accuracy"],
+            heldout_sampled_gain=T.paired_gain(ev0["heldout_sampled_per_problem"],
+                                               ev1["heldout_sampled_per_problem"]))
     if r.speed_repeats:
         batch = next(iter(T.batches(train, r.prompts_per_step, config.seed + 1, 1)))
         prompts = [str(q) for q in batch["prompts"] for _ in range(r.num_generations)]

@@ -150,7 +150,6 @@ def run_arm(arm: dict, seed: int, p, model, tok, drafter, dparams, workdir: str)
                             max_prompt_length=p["max_prompt_length"], temperature=0.0,
                             eos_tokens=[ttok.eos_id()])
 
-    k = p["eval_samples"]
     # the held-out reward GRPO optimises: k samples per problem at the rollout temperature
     sampled_rc = RolloutConfig(max_tokens_to_generate=p["max_new_tokens"],
                                max_prompt_length=p["max_prompt_length"],
@@ -159,18 +158,8 @@ def run_arm(arm: dict, seed: int, p, model, tok, drafter, dparams, workdir: str)
 
     def eval_fn(rollout) -> dict:
         with mesh:
-            out = rollout.generate([q.prompt for q in heldout], eval_rc, mode="eval")
-            correct = T.accuracy_per_problem(out.text, heldout, 1)
-            rec = {"heldout_accuracy": float(correct.mean()),
-                   "heldout_correct": correct.astype(int).tolist()}
-            if k:
-                out = rollout.generate([q.prompt for q in heldout for _ in range(k)], sampled_rc,
-                                       mode="eval")
-                per = T.accuracy_per_problem(out.text, heldout, k)
-                rec.update(heldout_sampled_accuracy=float(per.mean()),
-                           heldout_sampled_se=float(per.std(ddof=1) / np.sqrt(per.size)),
-                           heldout_sampled_per_problem=per.tolist())
-        return rec
+            return T.heldout_eval(functools.partial(rollout.generate, mode="eval"), heldout,
+                                  eval_rc, sampled_rc, p["eval_samples"])
 
     updater = None
     if arm["online"]:

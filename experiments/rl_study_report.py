@@ -12,6 +12,7 @@ import os
 import numpy as np
 
 from specjax.rl.study_stats import decompose_delta_alpha, mean_se, ols_slope
+from specjax.rl.task import paired_gain
 
 SERIES = ("acceptance", "tau", "entropy", "reward", "heldout_accuracy", "heldout_sampled_accuracy",
           "rollout_s", "step_s", "reward_s", "update_s")
@@ -95,12 +96,10 @@ def _latency(records: list[dict], key: str) -> list[float]:
     return keep
 
 
-def _per_problem_change(run: dict, key: str):
-    """``[n_heldout]`` end minus step-0 value of ``key`` per held-out problem, or None."""
+def _per_problem(run: dict, key: str):
+    """``(step 0, end)`` values of ``key`` per held-out problem (``[n]`` each), or None."""
     start, end = run["records"][0].get(key), run.get("heldout_end", {}).get(key)
-    if start is None or end is None:
-        return None
-    return np.asarray(end, np.float64) - np.asarray(start, np.float64)
+    return None if start is None or end is None else (start, end)
 
 
 def _paired_gain(runs: list[dict], key: str) -> dict | None:
@@ -112,10 +111,10 @@ def _paired_gain(runs: list[dict], key: str) -> dict | None:
     the training run's noise (nan for one seed)."""
     per_seed = []
     for r in runs:
-        d = _per_problem_change(r, key)
-        if d is None:
+        v = _per_problem(r, key)
+        if v is None:
             return None
-        per_seed.append([float(d.mean()), float(d.std(ddof=1) / np.sqrt(d.size))])
+        per_seed.append(list(paired_gain(*v)))
     return {"per_seed": per_seed, "over_seeds": mean_se([g for g, _ in per_seed])}
 
 
@@ -159,12 +158,11 @@ def _claims(arms, by_arm):
         # difference of the two arms' per-problem changes (its s.e. over problems)
         per_seed = []
         for r in by_arm["rs_e2e_tv"]:
-            base = g0.get(r["seed"])
-            a_, b_ = (_per_problem_change(x, "heldout_sampled_per_problem")
-                      for x in (r, base or {"records": [{}]}))
-            if a_ is not None and b_ is not None:
-                dd = a_ - b_
-                per_seed.append([float(dd.mean()), float(dd.std(ddof=1) / np.sqrt(dd.size))])
+            a_ = _per_problem(r, "heldout_sampled_per_problem")
+            b_ = _per_problem(g0[r["seed"]], "heldout_sampled_per_problem") \
+                if r["seed"] in g0 else None
+            if a_ is not None and b_ is not None:  # (rs end - rs start) - (plain end - start)
+                per_seed.append(list(paired_gain(np.add(b_[1], a_[0]), np.add(a_[1], b_[0]))))
         if per_seed:
             m, se_s = mean_se([x for x, _ in per_seed])
             se = se_s if len(per_seed) > 1 else per_seed[0][1]

@@ -178,5 +178,11 @@ def test_04_rl_grpo(tmp_path, tmp_path_factory):
         assert all(batch <= t <= batch * new for t in d["tokens"]), name
         rates = sorted(t / s for t, s in zip(d["tokens"], d["seconds"]))
         assert rates[0] <= d["tokens_per_s"] <= rates[-1], name  # the median of the timed calls
+    r = res["results"]
+    assert r["eval_samples"] >= 1 and "held-out sampled accuracy" in out
+    for key in ("heldout_sampled_accuracy_start", "heldout_sampled_accuracy_end"):
+        assert 0.0 <= r[key] <= 1.0, key
+    assert math.isclose(r["heldout_sampled_gain"][0], r["heldout_sampled_accuracy_end"] -
+                        r["heldout_sampled_accuracy_start"], abs_tol=1e-12)
     assert "checks passed" in out
     assert os.path.getsize(tmp_path / "04_rl_grpo.png") > 10_000

@@ -32,6 +32,14 @@ def test_tiny_grpo_runs_resumes_and_serves_fresh_weights(tmp_path):
     assert all(m["drafted"] > 0 and 0 <= m["accepted"] <= m["drafted"] for m in train)
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tensorboard"))
     assert os.path.isdir(tmp_path / "checkpoints" / "actor" / "2")
+    # held-out evaluation before and after: greedy (8 problems), then 2 samples per problem
+    assert [m["sequences"] for m in lines if m["mode"] == "eval"] == [8, 16, 8, 16]
+    assert res["eval_samples"] == 2
+    for metric in ("accuracy", "sampled_accuracy"):
+        start, end = res[f"heldout_{metric}_start"], res[f"heldout_{metric}_end"]
+        assert 0.0 <= start <= 1.0 and 0.0 <= end <= 1.0, metric
+        gain = res["heldout_greedy_gain" if metric == "accuracy" else "heldout_sampled_gain"]
+        assert gain[0] == pytest.approx(end - start, abs=1e-12), metric
 
     config.unlock()
     config.rl.steps = 3

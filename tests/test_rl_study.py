@@ -338,3 +338,36 @@ def test_latency_leaves_out_compilation_and_evaluations():
     recs[3]["eval_s"] = 4.0  # recorded apart: step 2's time is its own
     assert _latency(recs, "step_s") == [1.0, 5.0, 2.0, 3.0]
     assert _latency(recs[:1], "step_s") == [9.0]  # one step: its time, compile included
+
+
+def test_heldout_eval_greedy_and_sampled():
+    """``task.heldout_eval`` on a fake generator: greedy scored per problem, samples grouped by
+    problem (problem-major), and the paired gain by hand."""
+    import types
+    from specjax.data.math_problems import MathProblem
+    from specjax.rl import task as T
+    probs = [MathProblem(question=f"q{i}", answer=i, solution="") for i in range(3)]
+    calls = []
+
+    def generate(prompts, config):
+        calls.append((len(prompts), config))
+        if config == "greedy":  # right on problems 0 and 2
+            text = ["#### 0", "#### 9", "#### 2"]
+        else:  # 2 samples per problem: right 1 / 2, 2 / 2, 0 / 2
+            text = ["#### 0", "x", "#### 1", "#### 1", "#### 5", "#### 6"]
+        return types.SimpleNamespace(text=text)
+
+    ev = T.heldout_eval(generate, probs, "greedy", "sampled", 2)
+    assert calls == [(3, "greedy"), (6, "sampled")]
+    assert ev["heldout_correct"] == [1, 0, 1] and ev["heldout_accuracy"] == pytest.approx(2 / 3)
+    assert ev["heldout_sampled_per_problem"] == [0.5, 1.0, 0.0]
+    assert ev["heldout_sampled_accuracy"] == pytest.approx(0.5)
+    assert ev["heldout_sampled_se"] == pytest.approx(0.5 / math.sqrt(3))  # s.d. 1/2 over 3
+    assert set(T.heldout_eval(generate, probs, "greedy")) == {"heldout_accuracy",
+                                                              "heldout_correct"}
+    with pytest.raises(ValueError, match="sampled_config"):
+        T.heldout_eval(generate, probs, "greedy", None, 2)
+    # changes (0.5, -1, 0.5): mean 0, s.d. sqrt(3/4), s.e. 1/2
+    assert T.paired_gain([0.5, 1.0, 0.0], [1.0, 0.0, 0.5]) == pytest.approx((0.0, 0.5))
+    with pytest.raises(ValueError):
+        T.paired_gain([], [])

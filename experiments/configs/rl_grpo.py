@@ -17,7 +17,7 @@ Re-running with the same workdir resumes from the newest Orbax checkpoint (Tunix
 restores the policy, the optimizer and the data position). Outputs: ``rollout.jsonl`` (one line of
 acceptance / τ / entropy / timing metrics per rollout), ``rewards.jsonl`` (mean reward per reward
 function and training step), ``results.json`` (held-out accuracy before
-and after), TensorBoard event files under ``tensorboard/`` and checkpoints under ``checkpoints/``.
+and after, greedy and sampled, with the gains paired by problem: ``[gain, s.e.]``), TensorBoard event files under ``tensorboard/`` and checkpoints under ``checkpoints/``.
 """
 import ml_collections
 
@@ -70,6 +70,9 @@ def get_config(arg: str | None = None):
     c.rl.max_new_tokens = 64
     c.rl.checkpoint_every = 10
     c.rl.eval_max_new_tokens = 64
+    # held-out evaluation before and after training: greedy, and this many completions per problem
+    # sampled at `temperature` / `top_p` (the reward GRPO maximises; 0: greedy only)
+    c.rl.eval_samples = 4
     # > 0: after training, time this many speculative and plain rollouts of one batch
     # (prompts_per_step x num_generations sequences) on the final policy (experiments.rl.rollout_speed)
     c.rl.speed_repeats = 0
@@ -87,5 +90,6 @@ def get_config(arg: str | None = None):
         c.rl.learning_rate = 1e-3
         c.rl.max_new_tokens = 8
         c.rl.eval_max_new_tokens = 8
+        c.rl.eval_samples = 2
         c.rl.checkpoint_every = 1
     return c

@@ -18,7 +18,7 @@ import numpy as np
 from specjax.data.math_problems import MathProblem, check_answer, extract_answer, math_problems
 
 __all__ = ["TunixTokenizer", "split_problems", "batches", "correctness_reward", "format_reward",
-           "accuracy", "accuracy_per_problem"]
+           "accuracy", "accuracy_per_problem", "heldout_eval", "paired_gain"]
 
 
 class TunixTokenizer:
@@ -124,3 +124,48 @@ def accuracy_per_problem(completions: Sequence[str], problems: Sequence[MathProb
     ok = np.array([check_answer(problems[i // samples].answer, c)
                    for i, c in enumerate(completions)], np.float64)
     return ok.reshape(len(problems), samples).mean(axis=1)
+
+
+def heldout_eval(generate, problems: Sequence[MathProblem], greedy_config,
+                 sampled_config=None, samples: int = 0) -> dict:
+    """Held-out accuracy of the policy behind ``generate``, greedy and (``samples`` > 0) sampled.
+
+    Args:
+      generate: ``generate(prompts, rollout_config) -> out`` with ``out.text`` the completions
+        (``SpeculativeRollout.generate`` with ``mode="eval"``).
+      problems: the held-out problems.
+      greedy_config: a rollout config at temperature 0.
+      sampled_config: the rollout config of the sampled evaluation (the RL temperature: the
+        held-out reward GRPO maximises); needed when ``samples`` > 0.
+      samples: completions per problem in the sampled evaluation (0: greedy only).
+    Returns:
+      ``heldout_accuracy`` and ``heldout_correct`` (``[n]`` 0/1 per problem); with samples also
+      ``heldout_sampled_accuracy``, its s.e. over problems ``heldout_sampled_se`` and
+      ``heldout_sampled_per_problem`` (``[n]`` fractions), so that a change is paired by problem
+      (:func:`paired_gain`).
+    """
+    prompts = [q.prompt for q in problems]
+    correct = accuracy_per_problem(generate(prompts, greedy_config).text, problems, 1)
+    out = {"heldout_accuracy": float(correct.mean()),
+           "heldout_correct": correct.astype(int).tolist()}
+    if samples:
+        if sampled_config is None:
+            raise ValueError("samples > 0 needs a sampled_config")
+        text = generate([p for p in prompts for _ in range(samples)], sampled_config).text
+        per = accuracy_per_problem(text, problems, samples)
+        se = float(per.std(ddof=1) / np.sqrt(per.size)) if per.size > 1 else float("nan")
+        out.update(heldout_sampled_accuracy=float(per.mean()), heldout_sampled_se=se,
+                   heldout_sampled_per_problem=per.tolist())
+    return out
+
+
+def paired_gain(before, after) -> tuple[float, float]:
+    """``(mean, s.e.)`` of ``after - before`` over problems (``[n]`` per-problem values, the same
+    problems in the same order): a change in accuracy paired by problem, whose s.e. is the
+    evaluation's noise (nan for one problem)."""
+    d = np.asarray(after, np.float64) - np.asarray(before, np.float64)
+    if d.ndim != 1 or d.size == 0:
+        raise ValueError(f"want equal non-empty [n] values, got {np.shape(before)}, "
+                         f"{np.shape(after)}")
+    se = float(d.std(ddof=1) / np.sqrt(d.size)) if d.size > 1 else float("nan")
+    return float(d.mean()), se
