@@ -67,6 +67,10 @@ def summarize(p: dict, adapt: list[dict], arms: list[dict]) -> dict:
         acc0 = [r["records"][0].get("heldout_accuracy") for r in runs]
         gains = [r["heldout_accuracy_end"] - a0 for r, a0 in zip(runs, acc0) if a0 is not None]
         a["accuracy_gain"] = mean_se(gains)
+        # the evaluation after the last step (mean over seeds; plotted at x = steps)
+        a["heldout_end"] = {key: mean_se([r["heldout_accuracy_end"] if key == "heldout_accuracy"
+                                          else r.get("heldout_end", {}).get(key) for r in runs])[0]
+                            for key in ("heldout_accuracy", "heldout_sampled_accuracy")}
         for metric, key in (("greedy", "heldout_correct"),
                             ("sampled", "heldout_sampled_per_problem")):
             g = _paired_gain(runs, key)
@@ -266,8 +270,9 @@ def _arm_figures(arms: dict, save, plt) -> None:
     fig, ax = plt.subplots(figsize=(5, 3.2))
     for i, n in enumerate(arms):
         for key, style in (("heldout_accuracy", "o-"), ("heldout_sampled_accuracy", "s--")):
-            v = arms[n]["mean"].get(key) or []
-            pts = [(t, x) for t, x in enumerate(v) if x is not None]
+            v = list(arms[n]["mean"].get(key) or [])
+            v.append(arms[n].get("heldout_end", {}).get(key))  # after the last step
+            pts = [(t, x) for t, x in enumerate(v) if x is not None and np.isfinite(x)]
             if pts:
                 ax.plot(*zip(*pts), style, color=f"C{i}", ms=3,
                         label=f"{n}, {'greedy' if key == 'heldout_accuracy' else 'sampled'}")

@@ -314,6 +314,7 @@ def test_heldout_gains_are_paired_by_problem():
     # sampled: changes (1/4, 0, 1/4, 1/4): mean 3/16, s.d. 1/8, s.e. 1/16
     assert ns["sampled_gain"]["per_seed"][0] == pytest.approx([0.1875, 0.0625])
     assert math.isnan(ns["sampled_gain"]["over_seeds"][1])  # one seed: no s.e. over seeds
+    assert ns["heldout_end"] == {"heldout_accuracy": 0.75, "heldout_sampled_accuracy": 0.375}
     c = s["claims"]
     raised = c["grpo_raises_heldout_accuracy"]
     assert raised["no_spec"]["sampled"]["holds"] and raised["no_spec"]["greedy"]["holds"]
