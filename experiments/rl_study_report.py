@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from specjax.rl.study_stats import decompose_delta_alpha, mean_se, ols_slope
+from specjax.rl.study_stats import decompose_delta_alpha, mean_se, ols_slope, seed_mean_se
 from specjax.rl.task import paired_gain
 
 SERIES = ("acceptance", "tau", "entropy", "reward", "heldout_accuracy", "heldout_sampled_accuracy",
@@ -119,7 +119,9 @@ def _paired_gain(runs: list[dict], key: str) -> dict | None:
         if v is None:
             return None
         per_seed.append(list(paired_gain(*v)))
-    return {"per_seed": per_seed, "over_seeds": mean_se([g for g, _ in per_seed])}
+    m, se, how = seed_mean_se(per_seed)
+    return {"per_seed": per_seed, "over_seeds": mean_se([g for g, _ in per_seed]),
+            "combined": [m, se], "se_over": how}
 
 
 def _gains(adapt):
@@ -168,21 +170,18 @@ def _claims(arms, by_arm):
             if a_ is not None and b_ is not None:  # (rs end - rs start) - (plain end - start)
                 per_seed.append(list(paired_gain(np.add(b_[1], a_[0]), np.add(a_[1], b_[0]))))
         if per_seed:
-            m, se_s = mean_se([x for x, _ in per_seed])
-            se = se_s if len(per_seed) > 1 else per_seed[0][1]
+            m, se, how = seed_mean_se(per_seed)
             c["sampled_gain_equal_within_noise"] = {
                 "paired_diff_rs_e2e_tv_minus_no_spec": [m, se], "per_seed": per_seed,
-                "se_over": "seeds" if len(per_seed) > 1 else "held-out problems (one seed)",
+                "over_seeds": mean_se([x for x, _ in per_seed]), "se_over": how,
                 "holds": bool(abs(m) <= 2 * se)}
     for name, a in arms.items():
         g = {}
         for metric in ("greedy", "sampled"):
             if f"{metric}_gain" in a:
                 x = a[f"{metric}_gain"]
-                m, se = x["over_seeds"] if len(x["per_seed"]) > 1 else x["per_seed"][0]
-                g[metric] = {"gain": m, "se": se, "holds": bool(m > se),
-                             "se_over": "seeds" if len(x["per_seed"]) > 1
-                             else "held-out problems (one seed)"}
+                m, se = x["combined"]
+                g[metric] = {"gain": m, "se": se, "holds": bool(m > se), "se_over": x["se_over"]}
         if g:
             c.setdefault("grpo_raises_heldout_accuracy", {})[name] = g
     if "no_spec" in arms:
@@ -338,9 +337,10 @@ def study_markdown(summary: dict) -> str:
     gains = [(n, a) for n, a in summary["arms"].items() if "greedy_gain" in a]
     if gains:
         lines += ["", "**Held-out accuracy gain**, step 0 → end (points; per seed ± s.e. over "
-                  "the held-out problems, paired by problem; last column: mean ± s.e. over "
-                  "seeds):", "",
-                  "| arm | metric | start → end | gain per seed | over seeds |",
+                  "the held-out problems, paired by problem; last column: mean over seeds ± "
+                  "the larger of the seeds' spread and their evaluation noise, "
+                  "`specjax.rl.study_stats.seed_mean_se`):", "",
+                  "| arm | metric | start → end | gain per seed | mean (s.e. from) |",
                   "|---|---|---|---|---|"]
         for n, a in gains:
             for metric, key in (("greedy", "heldout_accuracy"),
@@ -349,10 +349,10 @@ def study_markdown(summary: dict) -> str:
                 if g is None:
                     continue
                 v = [x for x in a["mean"].get(key) or [] if x is not None]
-                start = f"{v[0]:.3f} → {v[0] + g['over_seeds'][0]:.3f}" if v else "-"
+                start = f"{v[0]:.3f} → {v[0] + g['combined'][0]:.3f}" if v else "-"
                 seeds = ", ".join(_pm(x, 100, "+.1f") for x in g["per_seed"])
                 lines.append(f"| {n} | {metric} | {start} | {seeds} | "
-                             f"{_pm(g['over_seeds'], 100, '+.1f')} |")
+                             f"{_pm(g['combined'], 100, '+.1f')} ({g['se_over']}) |")
     lines += ["", "**Claims:**", ""]
     for k, v in summary["claims"].items():
         lines.append(f"- `{k}`: {v}")

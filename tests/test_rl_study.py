@@ -38,6 +38,19 @@ def test_slope_and_decomposition():
     assert mean_se([1.0, 3.0]) == (2.0, 1.0)
 
 
+def test_seed_mean_se_is_floored_at_the_evaluation_noise():
+    from specjax.rl.study_stats import seed_mean_se
+    # spread over seeds: s.d. 1/sqrt(2), s.e. 1/2 > floor sqrt(0.1^2 * 2) / 2
+    m, se, how = seed_mean_se([(1.0, 0.1), (2.0, 0.1)])
+    assert (m, how) == (1.5, "seeds") and se == pytest.approx(0.5)
+    # seeds closer than their own evaluation noise: floor sqrt(3 * 0.3^2) / 3 = 0.3 / sqrt(3)
+    m, se, how = seed_mean_se([(1.0, 0.3), (1.01, 0.3), (1.02, 0.3)])
+    assert how == "evaluation floor" and se == pytest.approx(0.3 / math.sqrt(3))
+    assert seed_mean_se([(2.0, 0.5)]) == (2.0, 0.5, "held-out problems (one seed)")
+    with pytest.raises(ValueError):
+        seed_mean_se([])
+
+
 def test_online_drafter_update_lowers_its_loss():
     import jax
     from flax import nnx
@@ -326,8 +339,9 @@ def test_heldout_gains_are_paired_by_problem():
     assert eq["holds"]
     s["params"].update(temperature=1.0, seeds=(0,), rl_steps=2)
     md = study_markdown(s)
-    assert "| no_spec | sampled | 0.188 → 0.375 | +18.8 ± 6.2 | +18.8 |" in md
-    assert "| rs_e2e_tv | greedy | 0.250 → 0.250 | +0.0 ± 0.0 | +0.0 |" in md
+    assert "| no_spec | sampled | 0.188 → 0.375 | +18.8 ± 6.2 | +18.8 ± 6.2 (held-out problems " \
+        "(one seed)) |" in md
+    assert "| rs_e2e_tv | greedy | 0.250 → 0.250 | +0.0 ± 0.0 | +0.0 ± 0.0 (held-out" in md
 
 
 def test_latency_leaves_out_compilation_and_evaluations():

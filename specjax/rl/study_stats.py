@@ -11,7 +11,7 @@ import numpy as np
 
 from specjax.stats import clustered_ratio  # noqa: F401  (re-exported: the study's s.e.)
 
-__all__ = ["clustered_ratio", "ols_slope", "decompose_delta_alpha", "mean_se"]
+__all__ = ["clustered_ratio", "ols_slope", "decompose_delta_alpha", "mean_se", "seed_mean_se"]
 
 
 def mean_se(values) -> tuple[float, float]:
@@ -21,6 +21,29 @@ def mean_se(values) -> tuple[float, float]:
         return float("nan"), float("nan")
     se = float(v.std(ddof=1) / np.sqrt(v.size)) if v.size > 1 else float("nan")
     return float(v.mean()), se
+
+
+def seed_mean_se(per_seed) -> tuple[float, float, str]:
+    """``(mean, s.e., what the s.e. is)`` of per-seed estimates that each carry their own error.
+
+    ``per_seed``: ``[(estimate, s.e.), ...]``, one per training seed, each s.e. the evaluation's
+    noise inside that seed (e.g. over held-out problems). The mean's variance is (training noise +
+    evaluation noise) / n, so it is at least ``sum(se_i**2) / n**2``, known precisely from many
+    problems, while the spread of a few seeds estimates the total with n - 1 degrees of freedom
+    and can fall far below it by chance. The s.e. is the larger of the two:
+    ``"seeds"`` (the spread over seeds), ``"evaluation floor"`` (the seeds agreed more closely
+    than their evaluation noise allows) or, for one seed, ``"held-out problems (one seed)"``.
+    """
+    est = np.asarray([e for e, _ in per_seed], np.float64)
+    se = np.asarray([s for _, s in per_seed], np.float64)
+    if est.size == 0:
+        raise ValueError("no per-seed estimates")
+    if est.size == 1:
+        return float(est[0]), float(se[0]), "held-out problems (one seed)"
+    spread = est.std(ddof=1) / np.sqrt(est.size)
+    floor = np.sqrt(np.sum(se ** 2)) / est.size
+    return (float(est.mean()), float(max(spread, floor)),
+            "seeds" if spread >= floor else "evaluation floor")
 
 
 def ols_slope(x, y) -> tuple[float, float]:
