@@ -111,8 +111,10 @@ def _paired_gain(runs: list[dict], key: str) -> dict | None:
 
     Per seed: the mean change over the held-out problems, with its s.e. over problems (the same
     problems are scored before and after, so the change is paired by problem; this s.e. is the
-    evaluation's noise only). Over seeds: ``mean_se`` of the per-seed gains, which also carries
-    the training run's noise (nan for one seed)."""
+    evaluation's noise only). Over seeds: ``over_seeds`` is ``mean_se`` of the per-seed gains
+    (their spread, which also carries the training run's noise; nan for one seed) and
+    ``combined`` the mean with :func:`~specjax.rl.study_stats.seed_mean_se`'s s.e., the larger of
+    that spread and the evaluation noise (``se_over`` says which); the claims use ``combined``."""
     per_seed = []
     for r in runs:
         v = _per_problem(r, key)
