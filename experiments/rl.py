@@ -169,7 +169,7 @@ def run(config, workdir: str) -> dict:
     sampled_rc = RolloutConfig(max_tokens_to_generate=r.eval_max_new_tokens,
                                max_prompt_length=r.max_prompt_length, temperature=r.temperature,
                                top_p=r.top_p, eos_tokens=[ttok.eos_id()],
-                               seed=config.seed + 10_000)
+                               seed=config.seed + T.EVAL_SEED_OFFSET)
 
     def heldout_eval():
         with mesh:  # the context Tunix runs rollouts in (jit caches are keyed on it)

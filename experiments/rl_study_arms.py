@@ -22,9 +22,6 @@ from specjax.engine import Result
 from specjax.rl.rollout import SpeculativeRollout
 from specjax.rl.study_stats import clustered_ratio
 
-# base seed of the held-out sampled evaluation (+ the arm's seed): apart from the rollouts' seeds
-EVAL_SEED = 10_000
-
 
 class StudyRollout(SpeculativeRollout):
     def __init__(self, *args, plain=False, updater=None, eval_fn=None, eval_every=1, **kw):
@@ -154,7 +151,7 @@ def run_arm(arm: dict, seed: int, p, model, tok, drafter, dparams, workdir: str)
     sampled_rc = RolloutConfig(max_tokens_to_generate=p["max_new_tokens"],
                                max_prompt_length=p["max_prompt_length"],
                                temperature=p["temperature"], eos_tokens=[ttok.eos_id()],
-                               seed=EVAL_SEED + seed)
+                               seed=seed + T.EVAL_SEED_OFFSET)
 
     def eval_fn(rollout) -> dict:
         with mesh:

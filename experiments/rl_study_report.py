@@ -169,8 +169,9 @@ def _claims(arms, by_arm):
             a_ = _per_problem(r, "heldout_sampled_per_problem")
             b_ = _per_problem(g0[r["seed"]], "heldout_sampled_per_problem") \
                 if r["seed"] in g0 else None
-            if a_ is not None and b_ is not None:  # (rs end - rs start) - (plain end - start)
-                per_seed.append(list(paired_gain(np.add(b_[1], a_[0]), np.add(a_[1], b_[0]))))
+            if a_ is not None and b_ is not None:  # rs's change per problem over plain's
+                per_seed.append(list(paired_gain(np.subtract(b_[1], b_[0]),
+                                                 np.subtract(a_[1], a_[0]))))
         if per_seed:
             m, se, how = seed_mean_se(per_seed)
             c["sampled_gain_equal_within_noise"] = {

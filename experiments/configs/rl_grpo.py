@@ -16,8 +16,9 @@ seconds after compilation; used by the tests)::
 Re-running with the same workdir resumes from the newest Orbax checkpoint (Tunix's trainer
 restores the policy, the optimizer and the data position). Outputs: ``rollout.jsonl`` (one line of
 acceptance / τ / entropy / timing metrics per rollout), ``rewards.jsonl`` (mean reward per reward
-function and training step), ``results.json`` (held-out accuracy before
-and after, greedy and sampled, with the gains paired by problem: ``[gain, s.e.]``), TensorBoard event files under ``tensorboard/`` and checkpoints under ``checkpoints/``.
+function and training step), ``results.json`` (held-out accuracy before and after, greedy and
+sampled, with the gains paired by problem: ``[gain, s.e.]``), TensorBoard event files under
+``tensorboard/`` and checkpoints under ``checkpoints/``.
 """
 import ml_collections
 

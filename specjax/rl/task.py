@@ -16,9 +16,14 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from specjax.data.math_problems import MathProblem, check_answer, extract_answer, math_problems
+from specjax.rl.study_stats import mean_se
+
+# Seed offset of the sampled held-out evaluation (added to the run's seed), so that it draws apart
+# from the training rollouts.
+EVAL_SEED_OFFSET = 10_000
 
 __all__ = ["TunixTokenizer", "split_problems", "batches", "correctness_reward", "format_reward",
-           "accuracy", "accuracy_per_problem", "heldout_eval", "paired_gain"]
+           "accuracy", "accuracy_per_problem", "heldout_eval", "paired_gain", "EVAL_SEED_OFFSET"]
 
 
 class TunixTokenizer:
@@ -153,8 +158,8 @@ def heldout_eval(generate, problems: Sequence[MathProblem], greedy_config,
             raise ValueError("samples > 0 needs a sampled_config")
         text = generate([p for p in prompts for _ in range(samples)], sampled_config).text
         per = accuracy_per_problem(text, problems, samples)
-        se = float(per.std(ddof=1) / np.sqrt(per.size)) if per.size > 1 else float("nan")
-        out.update(heldout_sampled_accuracy=float(per.mean()), heldout_sampled_se=se,
+        acc, se = mean_se(per)
+        out.update(heldout_sampled_accuracy=acc, heldout_sampled_se=se,
                    heldout_sampled_per_problem=per.tolist())
     return out
 
@@ -163,9 +168,7 @@ def paired_gain(before, after) -> tuple[float, float]:
     """``(mean, s.e.)`` of ``after - before`` over problems (``[n]`` per-problem values, the same
     problems in the same order): a change in accuracy paired by problem, whose s.e. is the
     evaluation's noise (nan for one problem)."""
-    d = np.asarray(after, np.float64) - np.asarray(before, np.float64)
-    if d.ndim != 1 or d.size == 0:
+    if np.ndim(before) != 1 or np.shape(before) != np.shape(after) or np.size(before) == 0:
         raise ValueError(f"want equal non-empty [n] values, got {np.shape(before)}, "
                          f"{np.shape(after)}")
-    se = float(d.std(ddof=1) / np.sqrt(d.size)) if d.size > 1 else float("nan")
-    return float(d.mean()), se
+    return mean_se(np.asarray(after, np.float64) - np.asarray(before, np.float64))
