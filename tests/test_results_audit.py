@@ -65,3 +65,36 @@ def test_quoted_three_seed_dspark_numbers_match_the_committed_results():
     worst_after = {k: round(100 * max(v["ece_after"]), 1) for k, v in over.items()}
     assert worst_after == {"dspark_markov_g7": 3.8, "dspark_rnn_g7": 4.1,
                            "dspark_markov_g15": 5.1, "dspark_rnn_g15": 7.6}
+
+
+RL = os.path.join(os.path.dirname(FULL), "rl")
+
+
+def _points(mean_se):
+    """``[mean, se]`` as fractions -> the ``(+x.x, y.y)`` points docs/RL.md prints."""
+    return round(100 * mean_se[0], 1), round(100 * mean_se[1], 1)
+
+
+def test_quoted_rl_p16_100_numbers_match_the_committed_results():
+    """docs/RL.md's "128 rollouts per step for 100 steps" section: the held-out gains per arm
+    and seed, the paired difference of the arms, the acceptance drift and the rollout ratio."""
+    study = json.load(open(os.path.join(RL, "study_math_stage_p16_100.json")))
+    arms, claims = study["arms"], study["claims"]
+    quoted = {("no_spec", "greedy_gain"): ((0.2, 1.3), [(0.5, 2.3), (0.5, 2.2), (-0.5, 2.1)]),
+              ("no_spec", "sampled_gain"): ((2.1, 0.8), [(1.9, 1.4), (1.6, 1.4), (2.9, 1.3)]),
+              ("rs_e2e_tv", "greedy_gain"): ((0.3, 1.2), [(-0.5, 1.9), (1.0, 2.4), (0.5, 1.9)]),
+              ("rs_e2e_tv", "sampled_gain"): ((3.4, 0.8), [(3.1, 1.4), (3.4, 1.4), (3.6, 1.4)])}
+    for (arm, key), (mean, per_seed) in quoted.items():
+        gain = arms[arm][key]
+        assert _points(gain["combined"]) == mean, (arm, key)
+        assert [_points(g) for g in gain["per_seed"]] == per_seed, (arm, key)
+    diff = claims["sampled_gain_equal_within_noise"]
+    assert round(100 * diff["paired_diff_rs_e2e_tv_minus_no_spec"][0], 2) == 1.25
+    assert round(100 * diff["paired_diff_rs_e2e_tv_minus_no_spec"][1], 1) == 1.0
+    assert round(diff["over_seeds"][0] / diff["over_seeds"][1], 1) == 4.3  # "4.3 s.e."
+    assert _points(claims["accuracy_gain_equal_within_noise"]
+                   ["paired_diff_rs_e2e_tv_minus_no_spec"]) == (0.2, 0.6)
+    drift = claims["rs_e2e_tv_acceptance_within_2_points"]
+    assert [round(x, 1) for x in drift["trend_drift_points"]] == [-0.9, 0.2]
+    assert round(drift["max_abs_drift_points"], 1) == 4.5 and drift["holds"]
+    assert round(claims["rollout_speedup_vs_no_spec"]["rs_e2e_tv"], 2) == 0.40
