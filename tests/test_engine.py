@@ -392,6 +392,9 @@ def test_request_validation_cancel_and_queue(target, loop):
            for _ in range(4)]
     engine.step()
     assert engine.num_active == 2 and len(engine.queue) == 2  # the queue holds the rest
+    for live_id in (ids[0], ids[2]):  # a running and a queued request's id cannot be reused
+        with pytest.raises(ValueError, match="duplicate"):
+            engine.submit(Request(prompt=[1], max_new_tokens=4, request_id=live_id))
     assert engine.cancel(ids[0]) and engine.cancel(ids[3])
     assert engine.num_active == 1 and len(engine.queue) == 1
     engine.run()
