@@ -296,12 +296,20 @@ def run_study(mode: str, workdir: str, target_workdir: str = "", results_dir: st
     summary["adaptation_paired_gains"] = adaptation_gains(workdir, adapt)
     summary["seconds"] = time.perf_counter() - t0
     os.makedirs(results_dir, exist_ok=True)
-    with open(os.path.join(results_dir, f"study_{name}.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    write_json(os.path.join(results_dir, f"study_{name}.json"), summary)
     with open(os.path.join(results_dir, f"study_{name}.md"), "w") as f:
         f.write(study_markdown(summary))
     write_figures(summary, results_dir, name)
     return summary
+
+
+def write_json(path: str, obj) -> None:
+    """``obj`` as strict JSON: a spread that is undefined (one seed: ``nan``) is written as
+    ``null``, which every JSON parser reads (``NaN`` is a Python extension that ``jq`` and
+    JavaScript refuse)."""
+    from specjax.evaluation import to_jsonable
+    with open(path, "w") as f:
+        json.dump(to_jsonable(obj), f, indent=1, allow_nan=False)
 
 
 def _check_workdir_params(workdir: str, p: dict) -> None:

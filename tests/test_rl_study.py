@@ -123,6 +123,19 @@ def test_tiny_study_end_to_end(tmp_path):
     assert {a["name"] for a in rl_study.ARMS} == set(s["arms"])
 
 
+def test_study_json_is_strict(tmp_path):
+    """One seed leaves the spread over seeds undefined (nan): written as null, not NaN."""
+    from experiments import rl_study as S
+    from specjax.rl.study_stats import mean_se
+    path = tmp_path / "s.json"
+    S.write_json(str(path), {"gain": mean_se([0.5]), "params": {"seeds": (0,)}})
+
+    def refuse(name):
+        raise ValueError(f"non-strict JSON constant {name}")
+    assert json.loads(path.read_text(), parse_constant=refuse) == {
+        "gain": [0.5, None], "params": {"seeds": [0]}}
+
+
 def test_study_overrides_are_typed_and_checked(tmp_path):
     from experiments import rl_study as S
     o = S.parse_overrides(["rl_steps=30", "seeds=0,1", "temps=0.6,1.0", "learning_rate=3e-5"])
