@@ -98,3 +98,32 @@ def test_quoted_rl_p16_100_numbers_match_the_committed_results():
     assert [round(x, 1) for x in drift["trend_drift_points"]] == [-0.9, 0.2]
     assert round(drift["max_abs_drift_points"], 1) == 4.5 and drift["holds"]
     assert round(claims["rollout_speedup_vs_no_spec"]["rs_e2e_tv"], 2) == 0.40
+
+
+def test_quoted_rl_t06_seeds_1_2_numbers_match_the_committed_results():
+    """docs/RL.md's "Seeds 1 and 2" paragraph of the T = 0.6 section."""
+    study = json.load(open(os.path.join(RL, "study_math_stage_p16_100_t06_s12.json")))
+    arms, claims = study["arms"], study["claims"]
+    assert study["params"]["seeds"] == [1, 2] and study["params"]["temps"] == [0.6]
+    quoted = {("no_spec", "greedy_gain"): ((3.5, 1.6), [(3.5, 2.3), (3.5, 2.3)]),
+              ("no_spec", "sampled_gain"): ((0.9, 1.0), [(1.6, 1.4), (0.1, 1.4)]),
+              ("rs_e2e_tv", "greedy_gain"): ((2.0, 1.5), [(2.5, 2.3), (1.5, 2.1)]),
+              ("rs_e2e_tv", "sampled_gain"): ((1.1, 1.0), [(0.8, 1.5), (1.4, 1.3)])}
+    for (arm, key), (mean, per_seed) in quoted.items():
+        gain = arms[arm][key]
+        assert _points(gain["combined"]) == mean and gain["se_over"] == "evaluation floor"
+        assert [_points(g) for g in gain["per_seed"]] == per_seed, (arm, key)
+    greedy = claims["accuracy_gain_equal_within_noise"]
+    assert _points(greedy["paired_diff_rs_e2e_tv_minus_no_spec"]) == (-1.5, 1.1)
+    assert [_points(g) for g in greedy["per_seed"]] == [(-1.0, 1.2), (-2.0, 1.9)]
+    sampled = claims["sampled_gain_equal_within_noise"]
+    assert _points(sampled["paired_diff_rs_e2e_tv_minus_no_spec"]) == (0.2, 1.2)
+    assert greedy["holds"] and sampled["holds"]
+    g = arms["rs_e2e_tv"]["greedy_gain"]["combined"]
+    assert round(g[0] / g[1], 1) == 1.3  # "only by 1.3 s.e."
+    drift = claims["rs_e2e_tv_acceptance_within_2_points"]
+    assert [round(x, 1) for x in drift["trend_drift_points"]] == [-0.7, 0.1]
+    assert round(drift["max_abs_drift_points"], 1) == 5.4 and not drift["holds_max"]
+    acc, tau = arms["rs_e2e_tv"]["mean"]["acceptance"], arms["rs_e2e_tv"]["mean"]["tau"]
+    assert (round(acc[0], 3), round(acc[-1], 3)) == (0.507, 0.517)
+    assert (round(tau[0], 2), round(tau[-1], 2)) == (2.44, 2.47)
