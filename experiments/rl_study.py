@@ -281,6 +281,7 @@ def run_study(mode: str, workdir: str, target_workdir: str = "", results_dir: st
     and the figures into ``results_dir`` (default ``<workdir>/results``) and returns the summary.
     A workdir belongs to one set of parameters: resuming it with others is refused."""
     from experiments.rl_study_report import study_markdown, summarize, write_figures
+    from specjax.evaluation import write_json
     p = mode_params(mode, overrides)
     name = name or mode
     if mode == "full" and not target_workdir:
@@ -296,20 +297,13 @@ def run_study(mode: str, workdir: str, target_workdir: str = "", results_dir: st
     summary["adaptation_paired_gains"] = adaptation_gains(workdir, adapt)
     summary["seconds"] = time.perf_counter() - t0
     os.makedirs(results_dir, exist_ok=True)
+    # strict JSON: an undefined spread (one seed: nan) is written as null, which every parser
+    # reads (NaN is a Python extension that jq and JavaScript refuse)
     write_json(os.path.join(results_dir, f"study_{name}.json"), summary)
     with open(os.path.join(results_dir, f"study_{name}.md"), "w") as f:
         f.write(study_markdown(summary))
     write_figures(summary, results_dir, name)
     return summary
-
-
-def write_json(path: str, obj) -> None:
-    """``obj`` as strict JSON: a spread that is undefined (one seed: ``nan``) is written as
-    ``null``, which every JSON parser reads (``NaN`` is a Python extension that ``jq`` and
-    JavaScript refuse)."""
-    from specjax.evaluation import to_jsonable
-    with open(path, "w") as f:
-        json.dump(to_jsonable(obj), f, indent=1, allow_nan=False)
 
 
 def _check_workdir_params(workdir: str, p: dict) -> None:

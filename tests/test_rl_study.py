@@ -125,10 +125,10 @@ def test_tiny_study_end_to_end(tmp_path):
 
 def test_study_json_is_strict(tmp_path):
     """One seed leaves the spread over seeds undefined (nan): written as null, not NaN."""
-    from experiments import rl_study as S
+    from specjax.evaluation import write_json  # what run_study writes study_<name>.json with
     from specjax.rl.study_stats import mean_se
     path = tmp_path / "s.json"
-    S.write_json(str(path), {"gain": mean_se([0.5]), "params": {"seeds": (0,)}})
+    write_json(str(path), {"gain": mean_se([0.5]), "params": {"seeds": (0,)}})
 
     def refuse(name):
         raise ValueError(f"non-strict JSON constant {name}")
