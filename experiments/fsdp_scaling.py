@@ -23,6 +23,14 @@ loop step (48 is the old rule's chunk there, 384 the new one's). About seven min
     python -m experiments.fsdp_scaling --study tiling \
         --out experiments/results/tpu/chunk_fix/tiling.json
 
+``--study rounding``: would rounding the default chunk to 8 rows per chip pay? The same step
+with 200 anchors per row (4,800 loss rows, 600 per chip), where the default chunk is 400 rows (50
+per chip, padded to 56 in TPU's (8, 128) tiles) and the largest with a multiple of 8 rows per chip
+is 320 (40 per chip); both compiled, forced. About four minutes::
+
+    python -m experiments.fsdp_scaling --study rounding \
+        --out experiments/results/tpu/chunk_fix/rounding.json
+
 ``--study accum``: Qwen3-4B + MTP needs more memory per chip on v5e-256 (one 4096-token row
 per chip, no accumulation) than on v5e-8 (the same microbatch of one row per chip, 32 of them
 accumulated). Both on 8 chips: the pod config's 256 x 4096 step (32 microbatches) and an 8 x 4096
@@ -199,6 +207,29 @@ def tiling_study(topology: str = "v5e:2x4", chips: int = 8, chunks=TILING_CHUNKS
     return rows
 
 
+def rounding_study(topology: str = "v5e:2x4", chips: int = 8, anchors: int = 200) -> list:
+    """Rows of ``--study rounding``: Qwen3-0.6B + MTP at one 512-token row per chip and
+    ``anchors`` anchors per row, with the default row chunk and with the largest chunk within the
+    same budget whose rows per chip are a multiple of 8, each forced."""
+    config = pod_mtp_config("qwen3-0.6b", topology, chips)
+    config.unlock()
+    config.task.anchors_per_row = anchors
+    config.lock()
+    vocab = get_preset("qwen3-0.6b").vocab_size
+    n = chips * anchors * config.task.gamma  # loss rows: one per anchor and drafted position
+    default = losses._rows_per_chunk(n, vocab, None, chips)
+    budget = chips * (losses.DEFAULT_CHUNK_ELEMENTS // vocab)
+    tiled = next(k for k in range(budget - budget % (8 * chips), 0, -8 * chips) if n % k == 0)
+    rows = []
+    for name, chunk in (("default", default), ("tiled", tiled)):
+        with forced_row_chunk(chunk) as loss_rows:
+            r = compile_step(config, topology)
+        rows.append(_row("mtp", topology, chips, True, r, model="qwen3-0.6b", vocab=vocab,
+                         anchors_per_row=anchors, chunk=name, chunk_rows=chunk,
+                         rows_per_chip=chunk / chips, loss_rows=sorted(set(loss_rows))))
+    return rows
+
+
 def accum_study(target: str = "qwen3-4b", topology: str = "v5e:2x4", chips: int = 8,
                 seq: int = 4096) -> list:
     """Rows of ``--study accum``: ``target`` + MTP on ``topology`` at one ``seq``-token row per
@@ -243,16 +274,17 @@ def main(argv=None) -> list:
     ap.add_argument("--quick", action="store_true",
                     help="the constrained mtp row on the smallest topology only")
     ap.add_argument("--vocab", type=int, default=32768, help="vocabulary of the mtp rows")
-    ap.add_argument("--study", choices=("batch", "chunk", "tiling", "accum"), default="batch",
+    ap.add_argument("--study", choices=("batch", "chunk", "tiling", "rounding", "accum"), default="batch",
                     help="batch: the batch-constraint fix (4 and 16 chips); chunk: the loss's "
-                    "row-chunk fix (8-256 chips); tiling: forced row chunks on 8 chips; accum: "
+                    "row-chunk fix (8-256 chips); tiling: forced row chunks on 8 chips; rounding: the "
+                    "default chunk against one of 8k rows per chip; accum: "
                     "with and without gradient accumulation on 8 chips")
     args = ap.parse_args(argv)
     if aot.libtpu_path() is None:
         raise SystemExit("fsdp_scaling compiles for TPU and needs libtpu: run `make libtpu`")
     if args.study != "batch" and (args.quick or args.vocab != 32768):
         raise SystemExit(f"--study {args.study} has fixed rows: drop --quick / --vocab")
-    rows = {"chunk": chunk_study, "tiling": tiling_study, "accum": accum_study}.get(
+    rows = {"chunk": chunk_study, "tiling": tiling_study, "rounding": rounding_study, "accum": accum_study}.get(
         args.study, lambda: batch_study(args.quick, args.vocab))()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

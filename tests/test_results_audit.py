@@ -127,3 +127,22 @@ def test_quoted_rl_t06_seeds_1_2_numbers_match_the_committed_results():
     acc, tau = arms["rs_e2e_tv"]["mean"]["acceptance"], arms["rs_e2e_tv"]["mean"]["tau"]
     assert (round(acc[0], 3), round(acc[-1], 3)) == (0.507, 0.517)
     assert (round(tau[0], 2), round(tau[-1], 2)) == (2.44, 2.47)
+
+
+def test_quoted_tpu_row_chunk_rounding_numbers_match_the_committed_results():
+    """docs/TPU.md's rounding table and the tiling table it refers back to."""
+    tpu = os.path.join(os.path.dirname(FULL), "tpu", "chunk_fix")
+    default, tiled = json.load(open(os.path.join(tpu, "rounding.json")))
+    assert (default["chunk"], default["chunk_rows"], default["rows_per_chip"]) == ("default", 400, 50)
+    assert (tiled["chunk"], tiled["chunk_rows"], tiled["rows_per_chip"]) == ("tiled", 320, 40)
+    assert default["loss_rows"] == tiled["loss_rows"] == [4800]
+    assert [round(r["temp_gib"], 2) for r in (default, tiled)] == [3.32, 3.30]
+    assert [round(r["bytes_accessed_gb"], 2) for r in (default, tiled)] == [26.70, 27.17]
+    assert round((default["temp_gib"] - tiled["temp_gib"]) * 1024) == 23
+    assert round(100 * (default["temp_gib"] / tiled["temp_gib"] - 1), 1) == 0.7
+    assert round(tiled["bytes_accessed_gb"] - default["bytes_accessed_gb"], 2) == 0.46
+    assert round(100 * (tiled["bytes_accessed_gb"] / default["bytes_accessed_gb"] - 1), 1) == 1.7
+    tiling = {r["chunk_rows"]: r for r in json.load(open(os.path.join(tpu, "tiling.json")))}
+    assert {k: round(r["temp_gib"], 2) for k, r in tiling.items()} == {
+        48: 4.04, 64: 3.46, 96: 4.04, 128: 3.46, 384: 3.46}
+    assert round(tiling[48]["temp_gib"] - tiling[64]["temp_gib"], 2) == 0.58
