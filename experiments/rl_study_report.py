@@ -170,6 +170,25 @@ def _claims(arms, by_arm):
                 c[claim] = {"paired_diff_rs_e2e_tv_minus_no_spec": [m, se], "per_seed": per_seed,
                             "over_seeds": mean_se([x for x, _ in per_seed]), "se_over": how,
                             "holds": bool(abs(m) <= 2 * se)}
+    # Bebop §5.3: online drafter updates bring little over the frozen e2e-TV head. Per seed the
+    # online arm's fitted acceptance drift minus the frozen arm's (same seed, same head at step 0;
+    # s.e. of each fitted trend in quadrature), over seeds seed_mean_se (floored at the fits' noise)
+    frozen = {r["seed"]: x for r, x in zip(by_arm.get("rs_e2e_tv", []),
+                                             rs.get("per_seed", []))}
+    for name in ("rs_e2e_tv_online_ce", "rs_e2e_tv_online_tv"):
+        if name not in arms:
+            continue
+        per_seed = [[100 * (x["drift_trend"] - frozen[r["seed"]]["drift_trend"]),
+                     100 * float(np.hypot(x["drift_trend_se"], frozen[r["seed"]]["drift_trend_se"]))]
+                    for r, x in zip(by_arm[name], arms[name]["per_seed"])
+                    if x is not None and frozen.get(r["seed"]) is not None]
+        if per_seed:
+            m, se, how = seed_mean_se(per_seed)
+            how = {"evaluation floor": "trend-fit floor",
+                   "held-out problems (one seed)": "trend fit (one seed)"}.get(how, how)
+            c.setdefault("online_update_drift_minus_frozen_points", {})[name] = {
+                "mean": [m, se], "per_seed": per_seed, "se_over": how,
+                "within_2_se": bool(abs(m) <= 2 * se)}
     for name, a in arms.items():
         g = {}
         for metric in ("greedy", "sampled"):

@@ -164,3 +164,25 @@ def test_quoted_tpu_row_chunk_rounding_numbers_match_the_committed_results():
     assert {k: round(r["temp_gib"], 2) for k, r in tiling.items()} == {
         48: 4.04, 64: 3.46, 96: 4.04, 128: 3.46, 384: 3.46}
     assert round(tiling[48]["temp_gib"] - tiling[64]["temp_gib"], 2) == 0.58
+
+
+def test_quoted_rl_online_update_numbers_match_the_committed_results():
+    """docs/RL.md's online-update paragraph of the quickstart run: the claim the study now writes,
+    computed by the study's own code from the committed arms (that JSON predates the claim)."""
+    import numpy as np
+    from experiments.rl_study_report import _claims
+    study = json.load(open(os.path.join(RL, "study_quickstart_online.json")))
+    assert "online_update_drift_minus_frozen_points" not in study["claims"]
+    by_arm = {n: [{"seed": s, "records": [{}]} for s in a["seeds"]]
+              for n, a in study["arms"].items()}
+    online = _claims(study["arms"], by_arm)["online_update_drift_minus_frozen_points"]
+    ce, tv = online["rs_e2e_tv_online_ce"], online["rs_e2e_tv_online_tv"]
+    assert [round(x, 1) for x in ce["mean"]] == [8.1, 7.1] and ce["se_over"] == "seeds"
+    assert [round(x, 1) for x, _ in ce["per_seed"]] == [21.1, 6.6, -3.4]
+    assert [round(x, 1) for x in tv["mean"]] == [3.6, 4.1] and tv["se_over"] == "trend-fit floor"
+    assert [round(x, 1) for x, _ in tv["per_seed"]] == [7.9, -0.1, 2.9]
+    assert ce["within_2_se"] and tv["within_2_se"]
+    per_seed_se = [se for c in (ce, tv) for _, se in c["per_seed"]]
+    assert (round(min(per_seed_se), 1), round(max(per_seed_se), 1)) == (5.8, 8.4)
+    spread = np.std([x for x, _ in tv["per_seed"]], ddof=1) / np.sqrt(3)
+    assert round(spread, 1) == 2.3

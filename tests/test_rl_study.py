@@ -220,6 +220,9 @@ def test_summary_claims_on_synthetic_arms():
                      "heldout_accuracy_end": 0.2})
         arms.append({"arm": "rs_e2e_tv", "seed": seed, "heldout_accuracy_end": 0.2 + 0.01 * seed,
                      "records": records(0.8 - 0.01 * (h - 1) + wobble)})
+        # online TV: half the frozen head's loss over the run (-0.5 points against -1.0)
+        arms.append({"arm": "rs_e2e_tv_online_tv", "seed": seed, "heldout_accuracy_end": 0.2,
+                     "records": records(0.8 - 0.005 * (h - 1) + wobble)})
     s = summarize({"mode": "test", "gamma": gamma}, [], arms)
     c = s["claims"]
     assert c["slope_rs_e2e_tv_le_third_of_to"]["holds"]
@@ -231,6 +234,15 @@ def test_summary_claims_on_synthetic_arms():
     # the arms' difference is paired by problem: records without per-problem scores give none
     assert "accuracy_gain_equal_within_noise" not in c
     assert c["rollout_speedup_vs_no_spec"]["rs_e2e_tv"] == pytest.approx(1.0)
+    # online minus frozen drift, paired by seed: +0.5 points in both seeds; the seeds agree
+    # exactly, so the s.e. is the floor of the two trend fits' own noise (the wobble's)
+    online = c["online_update_drift_minus_frozen_points"]["rs_e2e_tv_online_tv"]
+    assert [d for d, _ in online["per_seed"]] == pytest.approx([0.5, 0.5])
+    fit = s["arms"]["rs_e2e_tv"]["per_seed"][0]["drift_trend_se"]
+    assert fit > 0 and online["per_seed"][0][1] == pytest.approx(100 * np.sqrt(2) * fit)
+    assert online["mean"] == pytest.approx([0.5, 100 * np.sqrt(2) * fit / np.sqrt(2)])
+    assert online["se_over"] == "trend-fit floor" and online["within_2_se"] == (0.5 <= 2 * 100 * fit)
+    assert "rs_e2e_tv_online_ce" not in c["online_update_drift_minus_frozen_points"]
     from experiments.rl_study_report import study_markdown
     s["params"].update(temperature=1.0, seeds=(0, 1), rl_steps=steps)
     md = study_markdown(s)
