@@ -274,18 +274,20 @@ def main(argv=None) -> list:
     ap.add_argument("--quick", action="store_true",
                     help="the constrained mtp row on the smallest topology only")
     ap.add_argument("--vocab", type=int, default=32768, help="vocabulary of the mtp rows")
-    ap.add_argument("--study", choices=("batch", "chunk", "tiling", "rounding", "accum"), default="batch",
+    ap.add_argument("--study", choices=("batch", "chunk", "tiling", "rounding", "accum"),
+                    default="batch",
                     help="batch: the batch-constraint fix (4 and 16 chips); chunk: the loss's "
-                    "row-chunk fix (8-256 chips); tiling: forced row chunks on 8 chips; rounding: the "
-                    "default chunk against one of 8k rows per chip; accum: "
+                    "row-chunk fix (8-256 chips); tiling: forced row chunks on 8 chips; "
+                    "rounding: the default chunk against one of 8k rows per chip; accum: "
                     "with and without gradient accumulation on 8 chips")
     args = ap.parse_args(argv)
     if aot.libtpu_path() is None:
         raise SystemExit("fsdp_scaling compiles for TPU and needs libtpu: run `make libtpu`")
     if args.study != "batch" and (args.quick or args.vocab != 32768):
         raise SystemExit(f"--study {args.study} has fixed rows: drop --quick / --vocab")
-    rows = {"chunk": chunk_study, "tiling": tiling_study, "rounding": rounding_study, "accum": accum_study}.get(
-        args.study, lambda: batch_study(args.quick, args.vocab))()
+    studies = {"chunk": chunk_study, "tiling": tiling_study, "rounding": rounding_study,
+               "accum": accum_study}
+    rows = studies.get(args.study, lambda: batch_study(args.quick, args.vocab))()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)

@@ -178,10 +178,10 @@ def _claims(arms, by_arm):
     for name in ("rs_e2e_tv_online_ce", "rs_e2e_tv_online_tv"):
         if name not in arms:
             continue
-        per_seed = [[100 * (x["drift_trend"] - frozen[r["seed"]]["drift_trend"]),
-                     100 * float(np.hypot(x["drift_trend_se"], frozen[r["seed"]]["drift_trend_se"]))]
+        per_seed = [[100 * (x["drift_trend"] - f["drift_trend"]),
+                     100 * float(np.hypot(x["drift_trend_se"], f["drift_trend_se"]))]
                     for r, x in zip(by_arm[name], arms[name]["per_seed"])
-                    if x is not None and frozen.get(r["seed"]) is not None]
+                    if x is not None and (f := frozen.get(r["seed"])) is not None]
         if per_seed:
             m, se, how = seed_mean_se(per_seed)
             how = {"evaluation floor": "trend-fit floor",

@@ -151,8 +151,9 @@ def test_quoted_tpu_row_chunk_rounding_numbers_match_the_committed_results():
     """docs/TPU.md's rounding table and the tiling table it refers back to."""
     tpu = os.path.join(os.path.dirname(FULL), "tpu", "chunk_fix")
     default, tiled = json.load(open(os.path.join(tpu, "rounding.json")))
-    assert (default["chunk"], default["chunk_rows"], default["rows_per_chip"]) == ("default", 400, 50)
-    assert (tiled["chunk"], tiled["chunk_rows"], tiled["rows_per_chip"]) == ("tiled", 320, 40)
+    keys = ("chunk", "chunk_rows", "rows_per_chip")
+    assert [default[k] for k in keys] == ["default", 400, 50]
+    assert [tiled[k] for k in keys] == ["tiled", 320, 40]
     assert default["loss_rows"] == tiled["loss_rows"] == [4800]
     assert [round(r["temp_gib"], 2) for r in (default, tiled)] == [3.32, 3.30]
     assert [round(r["bytes_accessed_gb"], 2) for r in (default, tiled)] == [26.70, 27.17]
@@ -186,3 +187,39 @@ def test_quoted_rl_online_update_numbers_match_the_committed_results():
     assert (round(min(per_seed_se), 1), round(max(per_seed_se), 1)) == (5.8, 8.4)
     spread = np.std([x for x, _ in tv["per_seed"]], ddof=1) / np.sqrt(3)
     assert round(spread, 1) == 2.3
+
+
+def test_quoted_rl_t06_online_update_numbers_match_the_committed_results():
+    """docs/RL.md's "Online drafter updates at T = 0.6, one seed" paragraph."""
+    import numpy as np
+    study = json.load(open(os.path.join(RL, "study_math_stage_p16_100_t06_online.json")))
+    arms = study["arms"]
+    assert study["params"]["seeds"] == [0] and study["params"]["drafter_lr"] == 1e-4
+    assert study["params"]["prompts_per_step"] * study["params"]["num_generations"] == 128
+    rows = {"rs_e2e_tv": ((0.521, 0.501), (-0.7, 0.7), 0.505, (0.260, 0.265), 2.44, 0.502, -2.1),
+            "rs_e2e_tv_online_ce": ((0.521, 0.508), (1.5, 0.6), 0.502, (0.260, 0.244), 2.43, 0.507,
+                                    -1.3),
+            "rs_e2e_tv_online_tv": ((0.521, 0.509), (0.7, 0.7), 0.515, (0.260, 0.246), 2.47, 0.517,
+                                    -0.4)}
+    for arm, (acc, drift, acc_mean, ent, tau, last20, mismatch) in rows.items():
+        m, p = arms[arm]["mean"], arms[arm]["per_seed"][0]
+        assert (round(m["acceptance"][0], 3), round(m["acceptance"][-1], 3)) == acc, arm
+        assert (round(100 * p["drift_trend"], 1), round(100 * p["drift_trend_se"], 1)) == drift
+        assert round(float(np.mean(m["acceptance"])), 3) == acc_mean, arm
+        assert (round(m["entropy"][0], 3), round(m["entropy"][-1], 3)) == ent, arm
+        assert round(float(np.mean(m["tau"])), 2) == tau, arm
+        assert round(float(np.mean(m["acceptance"][-20:])), 3) == last20, arm
+        mis = np.asarray(p["decomposition"]["mismatch"][-20:])
+        assert round(100 * float(mis.mean()), 1) == mismatch, arm
+        assert round(100 * float(mis.std(ddof=1) / np.sqrt(20)), 1) == 0.4, arm
+        ent_part = np.asarray(p["decomposition"]["entropy"][-20:])
+        assert abs(ent_part.mean()) < 0.005, arm
+    online = study["claims"]["online_update_drift_minus_frozen_points"]
+    ce, tv = online["rs_e2e_tv_online_ce"], online["rs_e2e_tv_online_tv"]
+    assert [round(x, 1) for x in ce["mean"]] == [2.1, 0.9] and not ce["within_2_se"]
+    assert [round(x, 1) for x in tv["mean"]] == [1.4, 0.9] and tv["within_2_se"]
+    assert round(ce["mean"][0] / ce["mean"][1], 1) == 2.4
+    assert round(tv["mean"][0] / tv["mean"][1], 1) == 1.5
+    gains = {a: _points(arms[a]["greedy_gain"]["per_seed"][0]) for a in rows}
+    assert gains == {"rs_e2e_tv": (2.5, 2.2), "rs_e2e_tv_online_ce": (1.5, 2.3),
+                     "rs_e2e_tv_online_tv": (-1.0, 1.9)}

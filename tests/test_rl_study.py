@@ -241,7 +241,8 @@ def test_summary_claims_on_synthetic_arms():
     fit = s["arms"]["rs_e2e_tv"]["per_seed"][0]["drift_trend_se"]
     assert fit > 0 and online["per_seed"][0][1] == pytest.approx(100 * np.sqrt(2) * fit)
     assert online["mean"] == pytest.approx([0.5, 100 * np.sqrt(2) * fit / np.sqrt(2)])
-    assert online["se_over"] == "trend-fit floor" and online["within_2_se"] == (0.5 <= 2 * 100 * fit)
+    assert online["se_over"] == "trend-fit floor"
+    assert online["within_2_se"] == (0.5 <= 2 * 100 * fit)
     assert "rs_e2e_tv_online_ce" not in c["online_update_drift_minus_frozen_points"]
     from experiments.rl_study_report import study_markdown
     s["params"].update(temperature=1.0, seeds=(0, 1), rl_steps=steps)
