@@ -118,6 +118,19 @@ def study_engine_config(p, method: str, gamma=None):
         filters=False)
 
 
+def fresh_arm_dir(workdir: str) -> str:
+    """Makes ``workdir`` for a run of one arm / seed, without an interrupted run's rollout log.
+
+    The rollout engine appends to ``rollout.jsonl``; an arm is only run when its ``arm.json`` is
+    missing, so a log found there is from a run that stopped before the end, and appending to it
+    would read as one run of twice the steps."""
+    os.makedirs(workdir, exist_ok=True)
+    stale = os.path.join(workdir, "rollout.jsonl")
+    if os.path.exists(stale):
+        os.remove(stale)
+    return workdir
+
+
 def run_arm(arm: dict, seed: int, p, model, tok, drafter, dparams, workdir: str) -> dict:
     """Runs one GRPO arm / seed; returns ``{"records": [...], "heldout_accuracy_end", ...}``.
 
@@ -135,7 +148,7 @@ def run_arm(arm: dict, seed: int, p, model, tok, drafter, dparams, workdir: str)
     from specjax.rl import task as T
     from specjax.rl.online import OnlineDrafterUpdate
 
-    os.makedirs(workdir, exist_ok=True)
+    fresh_arm_dir(workdir)
     train, heldout = T.split_problems(p["problem_seed"], p["n_train"], p["n_heldout"])
     ttok = T.TunixTokenizer(tok)
     gamma = p["gamma"]

@@ -416,3 +416,15 @@ def test_heldout_eval_greedy_and_sampled():
     assert T.paired_gain([0.5, 1.0, 0.0], [1.0, 0.0, 0.5]) == pytest.approx((0.0, 0.5))
     with pytest.raises(ValueError):
         T.paired_gain([], [])
+
+
+def test_an_interrupted_arm_reruns_with_a_fresh_rollout_log(tmp_path):
+    """run_arm appends to rollout.jsonl; a rerun of an arm without arm.json must not append to the
+    interrupted run's log. Other files in the directory stay."""
+    from experiments.rl_study_arms import fresh_arm_dir
+    d = tmp_path / "arms" / "rs_e2e_tv_s1"
+    assert fresh_arm_dir(str(d)) == str(d) and d.is_dir()  # created when missing
+    (d / "rollout.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    (d / "events.out").write_text("x")
+    fresh_arm_dir(str(d))
+    assert not (d / "rollout.jsonl").exists() and (d / "events.out").read_text() == "x"
