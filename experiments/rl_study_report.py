@@ -183,9 +183,8 @@ def _claims(arms, by_arm):
                     for r, x in zip(by_arm[name], arms[name]["per_seed"])
                     if x is not None and (f := frozen.get(r["seed"])) is not None]
         if per_seed:
-            m, se, how = seed_mean_se(per_seed)
-            how = {"evaluation floor": "trend-fit floor",
-                   "held-out problems (one seed)": "trend fit (one seed)"}.get(how, how)
+            m, se, how = seed_mean_se(per_seed, floor_label="trend-fit floor",
+                                      one_seed_label="trend fit (one seed)")
             c.setdefault("online_update_drift_minus_frozen_points", {})[name] = {
                 "mean": [m, se], "per_seed": per_seed, "se_over": how,
                 "within_2_se": bool(abs(m) <= 2 * se)}

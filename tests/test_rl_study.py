@@ -47,6 +47,10 @@ def test_seed_mean_se_is_floored_at_the_evaluation_noise():
     m, se, how = seed_mean_se([(1.0, 0.3), (1.01, 0.3), (1.02, 0.3)])
     assert how == "evaluation floor" and se == pytest.approx(0.3 / math.sqrt(3))
     assert seed_mean_se([(2.0, 0.5)]) == (2.0, 0.5, "held-out problems (one seed)")
+    # the labels name what each seed's s.e. measures; the numbers do not depend on them
+    assert seed_mean_se([(1.0, 0.3), (1.01, 0.3), (1.02, 0.3)], floor_label="fit floor") == (
+        pytest.approx(1.01), pytest.approx(0.3 / math.sqrt(3)), "fit floor")
+    assert seed_mean_se([(2.0, 0.5)], one_seed_label="fit") == (2.0, 0.5, "fit")
     with pytest.raises(ValueError):
         seed_mean_se([])
 

@@ -23,7 +23,8 @@ def mean_se(values) -> tuple[float, float]:
     return float(v.mean()), se
 
 
-def seed_mean_se(per_seed) -> tuple[float, float, str]:
+def seed_mean_se(per_seed, *, floor_label: str = "evaluation floor",
+                 one_seed_label: str = "held-out problems (one seed)") -> tuple[float, float, str]:
     """``(mean, s.e., what the s.e. is)`` of per-seed estimates that each carry their own error.
 
     ``per_seed``: ``[(estimate, s.e.), ...]``, one per training seed, each s.e. the evaluation's
@@ -31,19 +32,20 @@ def seed_mean_se(per_seed) -> tuple[float, float, str]:
     evaluation noise) / n, so it is at least ``sum(se_i**2) / n**2``, known precisely from many
     problems, while the spread of a few seeds estimates the total with n - 1 degrees of freedom
     and can fall far below it by chance. The s.e. is the larger of the two:
-    ``"seeds"`` (the spread over seeds), ``"evaluation floor"`` (the seeds agreed more closely
-    than their evaluation noise allows) or, for one seed, ``"held-out problems (one seed)"``.
+    ``"seeds"`` (the spread over seeds), ``floor_label`` (the seeds agreed more closely than
+    their evaluation noise allows) or, for one seed, ``one_seed_label``. Name the labels after
+    what each seed's s.e. measures (say ``"trend-fit floor"`` when it is a fitted slope's s.e.).
     """
     est = np.asarray([e for e, _ in per_seed], np.float64)
     se = np.asarray([s for _, s in per_seed], np.float64)
     if est.size == 0:
         raise ValueError("no per-seed estimates")
     if est.size == 1:
-        return float(est[0]), float(se[0]), "held-out problems (one seed)"
+        return float(est[0]), float(se[0]), one_seed_label
     spread = est.std(ddof=1) / np.sqrt(est.size)
     floor = np.sqrt(np.sum(se ** 2)) / est.size
     return (float(est.mean()), float(max(spread, floor)),
-            "seeds" if spread >= floor else "evaluation floor")
+            "seeds" if spread >= floor else floor_label)
 
 
 def ols_slope(x, y) -> tuple[float, float]:
