@@ -7,10 +7,12 @@ step latency (Fig. 7), and the four claims checked against their thresholds.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
 
+from specjax.evaluation import to_jsonable
 from specjax.rl.study_stats import decompose_delta_alpha, mean_se, ols_slope, seed_mean_se
 from specjax.rl.task import paired_gain
 
@@ -368,5 +370,17 @@ def study_markdown(summary: dict) -> str:
                              f"{_pm(g['combined'], 100, '+.1f')} ({g['se_over']}) |")
     lines += ["", "**Claims:**", ""]
     for k, v in summary["claims"].items():
-        lines.append(f"- `{k}`: {v}")
+        lines.append(f"- `{k}`: {_claim_text(v)}")
     return "\n".join(lines) + "\n"
+
+
+def _claim_text(v) -> str:
+    """A claim's record as the study JSON writes it (undefined spreads as ``null``), floats to
+    4 significant digits so the bullet stays readable; the JSON keeps the full values."""
+    def short(x):
+        if isinstance(x, dict):
+            return {k: short(y) for k, y in x.items()}
+        if isinstance(x, list):
+            return [short(y) for y in x]
+        return float(f"{x:.4g}") if isinstance(x, float) else x
+    return json.dumps(short(to_jsonable(v)))

@@ -253,6 +253,10 @@ def test_summary_claims_on_synthetic_arms():
     md = study_markdown(s)
     assert "| to_ce | 0.600 → 0.500 |" in md and "-0.100 ± 0.000" in md  # slope b of TO
     assert "| 0.100 → 0.205 | +10.5 ± 0.5 |" in md  # rs_e2e_tv's held-out accuracy and its gain
+    # claims bullets read like the JSON: an undefined spread is null, not Python's nan
+    s["claims"]["toy"] = {"x": [0.123456789, float("nan")], "holds": True}
+    md = study_markdown(s)
+    assert '- `toy`: {"x": [0.1235, null], "holds": true}' in md and "nan" not in md
 
 
 def test_paired_gain_by_hand():
