@@ -138,6 +138,27 @@ def _gains(adapt):
     return out
 
 
+
+def _gain_minus_no_spec(by_arm, name, key):
+    """Arm ``name``'s held-out gain minus no_spec's, paired by seed and by problem: per seed the
+    difference of the two arms' per-problem changes (its s.e. over problems), over seeds
+    :func:`seed_mean_se` (a few seeds can agree far more closely than their evaluation noise
+    allows, so the spread of the seeds alone is not a s.e.). ``None`` without paired data."""
+    g0 = {r["seed"]: r for r in by_arm["no_spec"]}
+    per_seed = []
+    for r in by_arm[name]:
+        a_ = _per_problem(r, key)
+        b_ = _per_problem(g0[r["seed"]], key) if r["seed"] in g0 else None
+        if a_ is not None and b_ is not None:
+            per_seed.append(list(paired_gain(np.subtract(b_[1], b_[0]),
+                                             np.subtract(a_[1], a_[0]))))
+    if not per_seed:
+        return None
+    m, se, how = seed_mean_se(per_seed)
+    return {"diff": [m, se], "per_seed": per_seed,
+            "over_seeds": mean_se([x for x, _ in per_seed]), "se_over": how,
+            "holds": bool(abs(m) <= 2 * se)}
+
 def _claims(arms, by_arm):
     c = {}
     to, rs = arms.get("to_ce", {}), arms.get("rs_e2e_tv", {})
@@ -153,25 +174,24 @@ def _claims(arms, by_arm):
             "holds_max": bool(rs["drift_max"][0] <= 0.02),
             "holds": bool(abs(trend) <= 0.02)}
     if "no_spec" in by_arm and "rs_e2e_tv" in by_arm:
-        g0 = {r["seed"]: r for r in by_arm["no_spec"]}
-        # RS + e2e-TV's gain minus no_spec's, paired by seed and by problem: per seed the
-        # difference of the two arms' per-problem changes (its s.e. over problems), over seeds
-        # seed_mean_se (a few seeds can agree far more closely than their evaluation noise
-        # allows, so the spread of the seeds alone is not a s.e.)
         for claim, key in (("accuracy_gain_equal_within_noise", "heldout_correct"),
                            ("sampled_gain_equal_within_noise", "heldout_sampled_per_problem")):
-            per_seed = []
-            for r in by_arm["rs_e2e_tv"]:
-                a_ = _per_problem(r, key)
-                b_ = _per_problem(g0[r["seed"]], key) if r["seed"] in g0 else None
-                if a_ is not None and b_ is not None:
-                    per_seed.append(list(paired_gain(np.subtract(b_[1], b_[0]),
-                                                     np.subtract(a_[1], a_[0]))))
-            if per_seed:
-                m, se, how = seed_mean_se(per_seed)
-                c[claim] = {"paired_diff_rs_e2e_tv_minus_no_spec": [m, se], "per_seed": per_seed,
-                            "over_seeds": mean_se([x for x, _ in per_seed]), "se_over": how,
-                            "holds": bool(abs(m) <= 2 * se)}
+            d = _gain_minus_no_spec(by_arm, "rs_e2e_tv", key)
+            if d is not None:
+                d["paired_diff_rs_e2e_tv_minus_no_spec"] = d.pop("diff")
+                c[claim] = d
+    # the same paired difference for every speculative arm (each one's rollouts are exact samples
+    # of its own policy, so each should train as well as plain rollouts)
+    for name in by_arm:
+        if name == "no_spec" or "no_spec" not in by_arm:
+            continue
+        g = {metric: d for metric, key in (("greedy", "heldout_correct"),
+                                           ("sampled", "heldout_sampled_per_problem"))
+             if (d := _gain_minus_no_spec(by_arm, name, key)) is not None}
+        if g:
+            c.setdefault("gain_minus_no_spec_points", {})[name] = {
+                m: {"diff": [100 * d["diff"][0], 100 * d["diff"][1]], "se_over": d["se_over"],
+                    "holds": d["holds"]} for m, d in g.items()}
     # Bebop §5.3: online drafter updates bring little over the frozen e2e-TV head. Per seed the
     # online arm's fitted acceptance drift minus the frozen arm's (same seed, same head at step 0;
     # s.e. of each fitted trend in quadrature), over seeds seed_mean_se (floored at the fits' noise)

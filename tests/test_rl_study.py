@@ -353,7 +353,8 @@ def test_heldout_gains_are_paired_by_problem():
 
     start = [0.25, 0.5, 0.0, 0.0]
     arms = [run("no_spec", ([0, 1, 0, 0], [1, 1, 0, 1]), (start, [0.5, 0.5, 0.25, 0.25])),
-            run("rs_e2e_tv", ([0, 1, 0, 0], [0, 1, 0, 0]), (start, [0.25, 0.5, 0.25, 0.25]))]
+            run("rs_e2e_tv", ([0, 1, 0, 0], [0, 1, 0, 0]), (start, [0.25, 0.5, 0.25, 0.25])),
+            run("rs_e2e_tv_online_ce", ([0, 1, 0, 0], [1, 1, 1, 1]), (start, start))]
     s = summarize({"mode": "test", "gamma": 2}, [], arms)
     ns = s["arms"]["no_spec"]
     # greedy: changes (1, 0, 0, 1): mean 1/2, s.d. sqrt(1/3), s.e. sqrt(1/3) / 2
@@ -375,6 +376,17 @@ def test_heldout_gains_are_paired_by_problem():
     eq = c["accuracy_gain_equal_within_noise"]
     assert eq["paired_diff_rs_e2e_tv_minus_no_spec"] == pytest.approx([-0.5, math.sqrt(1 / 3) / 2])
     assert eq["se_over"] == "held-out problems (one seed)" and eq["holds"]
+    # every speculative arm against no_spec, in points; rs_e2e_tv's equals the claims above
+    per_arm = c["gain_minus_no_spec_points"]
+    assert "no_spec" not in per_arm
+    assert per_arm["rs_e2e_tv"]["greedy"]["diff"] == pytest.approx(
+        [-50.0, 100 * math.sqrt(1 / 3) / 2])
+    assert per_arm["rs_e2e_tv"]["sampled"]["diff"] == pytest.approx([-6.25, 6.25])
+    # online_ce - no_spec, greedy per problem: (1 - 1, 0, 1, 0): mean 1/4, s.d. 1/2, s.e. 1/4
+    assert per_arm["rs_e2e_tv_online_ce"]["greedy"]["diff"] == pytest.approx([25.0, 25.0])
+    # sampled: (0 - 1/4, 0, 0 - 1/4, 0 - 1/4): mean -3/16, s.e. 1/16: 3 s.e. apart
+    ce = per_arm["rs_e2e_tv_online_ce"]["sampled"]
+    assert ce["diff"] == pytest.approx([-18.75, 6.25]) and not ce["holds"]
     s["params"].update(temperature=1.0, seeds=(0,), rl_steps=2)
     md = study_markdown(s)
     assert "| no_spec | sampled | 0.188 → 0.375 | +18.8 ± 6.2 | +18.8 ± 6.2 (held-out problems " \
