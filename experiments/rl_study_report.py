@@ -159,6 +159,35 @@ def _gain_minus_no_spec(by_arm, name, key):
             "over_seeds": mean_se([x for x, _ in per_seed]), "se_over": how,
             "holds": bool(abs(m) <= 2 * se)}
 
+
+def _online_minus_frozen_windows(by_arm, name):
+    """Online arm ``name``'s acceptance minus the frozen ``rs_e2e_tv`` arm's, in points, paired by
+    seed and by step: ``{"run": ..., "last_fifth": ...}``, each ``{"mean": [m, se], "per_seed":
+    [[d, se], ...], "se_over", "within_2_se"}``. Per seed ``d`` is the mean of the per-step
+    differences over the window and its s.e. their spread over steps (steps taken as
+    independent); over seeds :func:`seed_mean_se` floored at those. ``None`` without pairs."""
+    frozen = {r["seed"]: r for r in by_arm.get("rs_e2e_tv", [])}
+    diffs = []
+    for r in by_arm.get(name, []):
+        f = frozen.get(r["seed"])
+        if f is None or len(f["records"]) != len(r["records"]):
+            continue
+        a = [x.get("acceptance") for x in r["records"]]
+        b = [x.get("acceptance") for x in f["records"]]
+        if len(a) >= 2 and None not in a and None not in b:
+            diffs.append(100 * (np.asarray(a, np.float64) - np.asarray(b, np.float64)))
+    if not diffs:
+        return None
+    out = {}
+    for window, lo in (("run", 0), ("last_fifth", -max(2, len(diffs[0]) // 5))):
+        per_seed = [[float(d[lo:].mean()), float(d[lo:].std(ddof=1) / np.sqrt(d[lo:].size))]
+                    for d in diffs]
+        m, se, how = seed_mean_se(per_seed, floor_label="per-step floor",
+                                  one_seed_label="steps (one seed)")
+        out[window] = {"mean": [m, se], "per_seed": per_seed, "se_over": how,
+                       "steps": int(diffs[0][lo:].size), "within_2_se": bool(abs(m) <= 2 * se)}
+    return out
+
 def _claims(arms, by_arm):
     c = {}
     to, rs = arms.get("to_ce", {}), arms.get("rs_e2e_tv", {})
@@ -210,6 +239,12 @@ def _claims(arms, by_arm):
             c.setdefault("online_update_drift_minus_frozen_points", {})[name] = {
                 "mean": [m, se], "per_seed": per_seed, "se_over": how,
                 "within_2_se": bool(abs(m) <= 2 * se)}
+        # a line fits a curve that dips and recovers badly: also the plain difference of the
+        # acceptance, step by step against the frozen arm of the same seed, over the run and over
+        # its last fifth
+        windows = _online_minus_frozen_windows(by_arm, name)
+        if windows:
+            c.setdefault("online_update_acceptance_minus_frozen_points", {})[name] = windows
     for name, a in arms.items():
         g = {}
         for metric in ("greedy", "sampled"):

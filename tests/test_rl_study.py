@@ -248,6 +248,19 @@ def test_summary_claims_on_synthetic_arms():
     assert online["se_over"] == "trend-fit floor"
     assert online["within_2_se"] == (0.5 <= 2 * 100 * fit)
     assert "rs_e2e_tv_online_ce" not in c["online_update_drift_minus_frozen_points"]
+    # the same comparison step by step: online - frozen = 100 * 0.005 * 0.1 t = 0.05 t points
+    # (t = 0..10): over the run mean 0.25, s.d. 0.05 sqrt(11), s.e. 0.05; over the last fifth
+    # (the last 2 steps: 0.45, 0.5) mean 0.475, s.e. 0.025. The seeds agree, so each mean's
+    # s.e. is the per-step floor: one seed's s.e. / sqrt(2)
+    w = c["online_update_acceptance_minus_frozen_points"]["rs_e2e_tv_online_tv"]
+    assert all(x == pytest.approx([0.25, 0.05]) for x in w["run"]["per_seed"])
+    assert len(w["run"]["per_seed"]) == 2
+    assert w["run"]["mean"] == pytest.approx([0.25, 0.05 / np.sqrt(2)])
+    assert w["run"]["se_over"] == "per-step floor" and w["run"]["steps"] == steps
+    assert w["last_fifth"]["steps"] == 2
+    assert w["last_fifth"]["mean"] == pytest.approx([0.475, 0.025 / np.sqrt(2)])
+    assert not w["run"]["within_2_se"] and not w["last_fifth"]["within_2_se"]
+    assert "rs_e2e_tv_online_ce" not in c["online_update_acceptance_minus_frozen_points"]
     from experiments.rl_study_report import study_markdown
     s["params"].update(temperature=1.0, seeds=(0, 1), rl_steps=steps)
     md = study_markdown(s)
