@@ -138,7 +138,6 @@ def _gains(adapt):
     return out
 
 
-
 def _gain_minus_no_spec(by_arm, name, key):
     """Arm ``name``'s held-out gain minus no_spec's, paired by seed and by problem: per seed the
     difference of the two arms' per-problem changes (its s.e. over problems), over seeds
@@ -187,6 +186,7 @@ def _online_minus_frozen_windows(by_arm, name):
         out[window] = {"mean": [m, se], "per_seed": per_seed, "se_over": how,
                        "steps": int(diffs[0][lo:].size), "within_2_se": bool(abs(m) <= 2 * se)}
     return out
+
 
 def _claims(arms, by_arm):
     c = {}
