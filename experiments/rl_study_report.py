@@ -16,6 +16,9 @@ from specjax.evaluation import to_jsonable
 from specjax.rl.study_stats import decompose_delta_alpha, mean_se, ols_slope, seed_mean_se
 from specjax.rl.task import paired_gain
 
+# held-out accuracy measures: (name in the summary, per-problem key in the run records)
+HELDOUT_METRICS = (("greedy", "heldout_correct"), ("sampled", "heldout_sampled_per_problem"))
+
 SERIES = ("acceptance", "tau", "entropy", "reward", "heldout_accuracy", "heldout_sampled_accuracy",
           "rollout_s", "step_s", "reward_s", "update_s")
 
@@ -73,8 +76,7 @@ def summarize(p: dict, adapt: list[dict], arms: list[dict]) -> dict:
         a["heldout_end"] = {key: mean_se([r["heldout_accuracy_end"] if key == "heldout_accuracy"
                                           else r.get("heldout_end", {}).get(key) for r in runs])[0]
                             for key in ("heldout_accuracy", "heldout_sampled_accuracy")}
-        for metric, key in (("greedy", "heldout_correct"),
-                            ("sampled", "heldout_sampled_per_problem")):
+        for metric, key in HELDOUT_METRICS:
             g = _paired_gain(runs, key)
             if g is not None:
                 a[f"{metric}_gain"] = g
@@ -202,25 +204,25 @@ def _claims(arms, by_arm):
             "trend_drift_points": [100 * trend, 100 * se],
             "holds_max": bool(rs["drift_max"][0] <= 0.02),
             "holds": bool(abs(trend) <= 0.02)}
-    if "no_spec" in by_arm and "rs_e2e_tv" in by_arm:
-        for claim, key in (("accuracy_gain_equal_within_noise", "heldout_correct"),
-                           ("sampled_gain_equal_within_noise", "heldout_sampled_per_problem")):
-            d = _gain_minus_no_spec(by_arm, "rs_e2e_tv", key)
-            if d is not None:
-                d["paired_diff_rs_e2e_tv_minus_no_spec"] = d.pop("diff")
-                c[claim] = d
-    # the same paired difference for every speculative arm (each one's rollouts are exact samples
-    # of its own policy, so each should train as well as plain rollouts)
-    for name in by_arm:
-        if name == "no_spec" or "no_spec" not in by_arm:
+    # every speculative arm's held-out gain minus no_spec's (each one's rollouts are exact
+    # samples of its own policy, so each should train as well as plain rollouts); the claims
+    # name RS + e2e-TV
+    vs_plain = {}
+    for name in by_arm if "no_spec" in by_arm else ():
+        if name == "no_spec":
             continue
-        g = {metric: d for metric, key in (("greedy", "heldout_correct"),
-                                           ("sampled", "heldout_sampled_per_problem"))
-             if (d := _gain_minus_no_spec(by_arm, name, key)) is not None}
-        if g:
-            c.setdefault("gain_minus_no_spec_points", {})[name] = {
-                m: {"diff": [100 * d["diff"][0], 100 * d["diff"][1]], "se_over": d["se_over"],
-                    "holds": d["holds"]} for m, d in g.items()}
+        for metric, key in HELDOUT_METRICS:
+            if (d := _gain_minus_no_spec(by_arm, name, key)) is not None:
+                vs_plain.setdefault(name, {})[metric] = d
+    for claim, metric in (("accuracy_gain_equal_within_noise", "greedy"),
+                          ("sampled_gain_equal_within_noise", "sampled")):
+        if (d := vs_plain.get("rs_e2e_tv", {}).get(metric)) is not None:
+            c[claim] = {"paired_diff_rs_e2e_tv_minus_no_spec": d["diff"],
+                        **{k: v for k, v in d.items() if k != "diff"}}
+    for name, g in vs_plain.items():
+        c.setdefault("gain_minus_no_spec_points", {})[name] = {
+            m: {"diff": [100 * d["diff"][0], 100 * d["diff"][1]], "se_over": d["se_over"],
+                "holds": d["holds"]} for m, d in g.items()}
     # Bebop §5.3: online drafter updates bring little over the frozen e2e-TV head. Per seed the
     # online arm's fitted acceptance drift minus the frozen arm's (same seed, same head at step 0;
     # s.e. of each fitted trend in quadrature), over seeds seed_mean_se (floored at the fits' noise)
