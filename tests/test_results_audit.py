@@ -240,6 +240,9 @@ def test_quoted_rl_t06_online_update_numbers_match_the_committed_results():
         assert [round(x, 1) for x in online[arm]["mean"]] == mean, arm
         assert round(online[arm]["mean"][0] / online[arm]["mean"][1], 1) == ratio, arm
         assert not online[arm]["within_2_se"]
+    # "Seed 0 alone gives +2.1 ± 0.9 (CE) and +1.4 ± 0.9 (TV)"
+    assert [[round(x, 1) for x in online[a]["per_seed"][0]] for a in (ce, tv)] == [[2.1, 0.9],
+                                                                                    [1.4, 0.9]]
     # eq. 16 mismatch part over the last 20 steps: mean over seeds ± s.e. over seeds
     for arm, want in {"rs_e2e_tv": (-1.0, 0.8), ce: (-0.6, 0.7), tv: (0.7, 0.9)}.items():
         mis = [100 * np.mean(p["decomposition"]["mismatch"][-20:]) for p in arms[arm]["per_seed"]]
