@@ -260,3 +260,71 @@ def test_quoted_rl_t06_online_update_numbers_match_the_committed_results():
     assert round(z, 1) == 2.4
     p = math.erfc(z / math.sqrt(2))  # two-sided normal p-value, and its union bound over six
     assert round(p, 2) == 0.02 and round(6 * p, 1) == 0.1
+
+
+def test_quoted_rl_summary_table_matches_the_committed_results():
+    """docs/RL.md's "What reproduces at this scale" table. (Its quickstart online-update drifts
+    are computed and checked by ``test_quoted_rl_online_update_numbers_match_...`` above.)"""
+    def study(name):
+        return json.load(open(os.path.join(RL, f"study_{name}.json")))
+
+    # e2e-TV - KL acceptance, in points, per gamma over every head trained for it
+    gains = {}
+    for name in ("quickstart", "heads_seed0", "heads_seed1", "sweep_seed0"):
+        for cell in study(name)["adaptation_paired_gains"]["e2e_tv_vs_kl"]:
+            base = cell["cap"] == 256 and (cell["temp"] == 1.0 or cell["gamma"] == 3)
+            key = cell["gamma"] if base else (cell["gamma"], "other cap or T")
+            gains.setdefault(key, []).append(cell["gain_points"])
+    assert {g: (round(min(v), 1), round(max(v), 1)) for g, v in gains.items()} == {
+        3: (1.5, 1.9), 5: (2.5, 3.3), 7: (3.1, 3.1), (5, "other cap or T"): (2.3, 2.9)}
+    # e2e-TV > TV > KL > CE in every cell of the one study that trained all four
+    cells = {}
+    for head in study("quickstart")["adaptation"]:
+        cells.setdefault((head["gamma"], head["cap"], head["temp"]), {})[head["loss"]] = \
+            head["accept_rate"]
+    full = [c for c in cells.values() if {"ce", "kl", "tv", "e2e_tv"} <= set(c)]
+    assert len(full) == 3 and all(c["e2e_tv"] > c["tv"] > c["kl"] > c["ce"] for c in full)
+
+    def slopes(name):
+        c = study(name)["claims"]["slope_rs_e2e_tv_le_third_of_to"]
+        return [round(x, 3) for x in c["slope_rs_e2e_tv"] + c["slope_to"]], c["holds"]
+    assert slopes("math_stage") == ([-0.016, 0.026, -0.225, 0.030], True)
+    assert slopes("quickstart") == ([-0.397, 0.022, -0.129, 0.006], False)
+
+    drifts = {n: study(n)["claims"]["rs_e2e_tv_acceptance_within_2_points"]
+              for n in ("math_stage", "math_stage_p16_100", "math_stage_p16_100_t06_3seeds",
+                        "quickstart")}
+    assert {n: [round(x, 1) for x in d["trend_drift_points"]] for n, d in drifts.items()} == {
+        "math_stage": [-1.4, 0.5], "math_stage_p16_100": [-0.9, 0.2],
+        "math_stage_p16_100_t06_3seeds": [-0.7, 0.1], "quickstart": [-31.9, 4.1]}
+    slow = [round(d["max_abs_drift_points"], 1) for n, d in drifts.items() if n != "quickstart"]
+    assert (min(slow), max(slow)) == (4.5, 10.0)
+
+    t1, t06 = study("math_stage_p16_100"), study("math_stage_p16_100_t06_3seeds")
+    diff = t1["claims"]["sampled_gain_equal_within_noise"]["paired_diff_rs_e2e_tv_minus_no_spec"]
+    assert (round(100 * diff[0], 2), round(100 * diff[1], 1)) == (1.25, 1.0)
+    assert [_points(t06["claims"][k]["paired_diff_rs_e2e_tv_minus_no_spec"])
+            for k in ("accuracy_gain_equal_within_noise", "sampled_gain_equal_within_noise")] == [
+        (-0.3, 1.2), (0.6, 1.0)]
+    assert {(a, k): _points(t1["arms"][a][k]["combined"]) for a in ("no_spec", "rs_e2e_tv")
+            for k in ("sampled_gain", "greedy_gain")} == {
+        ("no_spec", "sampled_gain"): (2.1, 0.8), ("rs_e2e_tv", "sampled_gain"): (3.4, 0.8),
+        ("no_spec", "greedy_gain"): (0.2, 1.3), ("rs_e2e_tv", "greedy_gain"): (0.3, 1.2)}
+    greedy = [t06["arms"][a]["greedy_gain"]["combined"] for a in ("no_spec", "rs_e2e_tv")]
+    assert [_points(g) for g in greedy] == [(2.5, 1.4), (2.2, 1.3)]
+    assert all(g[0] < 2 * g[1] for g in greedy)  # "under 2 s.e."
+
+    online = study("math_stage_p16_100_t06_online")["claims"][
+        "online_update_acceptance_minus_frozen_points"]
+    assert [round(x, 1) for x in online["rs_e2e_tv_online_tv"]["run"]["mean"]] == [1.0, 0.1]
+    assert [round(x, 1) for x in online["rs_e2e_tv_online_tv"]["last_fifth"]["mean"]] == [1.7, 0.2]
+    assert [round(x, 1) for x in online["rs_e2e_tv_online_ce"]["run"]["mean"]] == [-0.4, 0.2]
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "benchmarks", "results")
+    speed = [json.load(open(os.path.join(bench, f"rl_rollout_speed{s}.json")))
+             for s in ("", "_repeat")]
+    assert [round(b["decoders"]["spec"]["speedup"], 2) for b in speed] == [0.81, 0.77]
+    assert [round(b["bound"], 2) for b in speed] == [0.78, 0.82]
+    assert all(b["baseline"] == "engine_none" for b in speed)
+    assert round(speed[0]["decoders"]["spec"]["tau"], 2) == 3.37
