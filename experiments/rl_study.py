@@ -105,6 +105,12 @@ def mode_params(mode: str, overrides: dict | None = None) -> dict:
     """The mode's parameters, with ``overrides`` (see :func:`parse_overrides`) applied."""
     if mode not in MODES:
         raise ValueError(f"--mode must be one of {sorted(MODES)}, got {mode!r}")
+    for key, value in (overrides or {}).items():
+        if key not in MODES[mode]:
+            raise ValueError(f"unknown study parameter {key!r}; choose from {sorted(MODES[mode])}")
+        if isinstance(MODES[mode][key], tuple) and not isinstance(value, (tuple, list)):
+            raise ValueError(f"study parameter {key!r} takes a tuple, got {value!r} "
+                             f"(parse_overrides turns '{key}=a,b' into one)")
     p = dict(MODES[mode])
     p.update(overrides or {})
     p["mode"] = mode
@@ -159,6 +165,12 @@ def policy_rows(model, tok, problems, temperature: float, n: int, seq_len: int, 
             "domains": np.array(["math"])}
 
 
+def _say(msg: str) -> None:
+    """One progress line on stderr: an arm runs for minutes to an hour, and Tunix's step bar
+    shows only on a terminal."""
+    print(f"rl_study: {msg}", file=sys.stderr, flush=True)
+
+
 def data_parallel_batch(batch: int, devices: int) -> int:
     """The smallest multiple of ``devices`` that is ≥ ``batch`` (rows split over every device)."""
     if batch < 1 or devices < 1:
@@ -181,13 +193,15 @@ def run_adaptation(p, model, tok, target_workdir, workdir) -> list[dict]:
         print(f"rl_study: drafter batch {p['drafter_batch']} -> {batch} (a multiple of the "
               f"{jax.device_count()} devices)", flush=True)
     out = []
-    for cell in adaptation_cells(p):
+    cells = adaptation_cells(p)
+    for i, cell in enumerate(cells):
         d = os.path.join(workdir, "adapt", cell["name"])
         done = os.path.join(d, "result.json")
         if os.path.exists(done):
             with open(done) as f:
                 out.append(json.load(f))
             continue
+        _say(f"adaptation {i + 1}/{len(cells)}: {cell['name']}, {p['drafter_steps']} drafter steps")
         files = {}
         for split, probs in (("train", train), ("eval", heldout)):
             path = os.path.join(workdir, "data", f"{split}_t{cell['temp']}.npz")
@@ -229,6 +243,8 @@ def run_adaptation(p, model, tok, target_workdir, workdir) -> list[dict]:
                  tv=float(ev["tv"]), ce=float(ev["ce"]))
         with open(done, "w") as f:
             json.dump(r, f, indent=1)
+        _say(f"adaptation {cell['name']}: held-out acceptance {r['accept_rate']:.3f} "
+             f"({r['seconds']:.0f} s)")
         out.append(r)
     return out
 
@@ -257,21 +273,27 @@ def run_arms(p, model_factory, tok, adapt, workdir) -> list[dict]:
     unknown = set(p["arms"]) - set(ARM_NAMES)
     if unknown:
         raise ValueError(f"unknown arms {sorted(unknown)}; choose from {ARM_NAMES}")
-    for arm in (a for a in ARMS if a["name"] in p["arms"]):
-        for seed in p["seeds"]:
-            d = os.path.join(workdir, "arms", f"{arm['name']}_s{seed}")
-            if os.path.exists(os.path.join(d, "arm.json")):
-                with open(os.path.join(d, "arm.json")) as f:
-                    out.append(json.load(f))
-                continue
-            # no_spec never drafts: any trained head fills the rollout's drafter slot
-            head = arm["head"] if arm["method"] != "none" or arm["head"] in base else \
-                next(iter(base), arm["head"])
-            if head not in base:
-                raise ValueError(f"arm {arm['name']} needs a {head!r} head at the base cell; "
-                                 f"add it to --set losses= (trained: {sorted(base)})")
-            drafter, dparams, _ = load_drafter(os.path.join(workdir, "adapt", base[head]["name"]))
-            out.append(run_arm(arm, seed, p, model_factory(), tok, drafter, dparams, d))
+    runs = [(arm, seed) for arm in ARMS if arm["name"] in p["arms"] for seed in p["seeds"]]
+    for i, (arm, seed) in enumerate(runs):
+        d = os.path.join(workdir, "arms", f"{arm['name']}_s{seed}")
+        if os.path.exists(os.path.join(d, "arm.json")):
+            with open(os.path.join(d, "arm.json")) as f:
+                out.append(json.load(f))
+            continue
+        # no_spec never drafts: any trained head fills the rollout's drafter slot
+        head = arm["head"] if arm["method"] != "none" or arm["head"] in base else \
+            next(iter(base), arm["head"])
+        if head not in base:
+            raise ValueError(f"arm {arm['name']} needs a {head!r} head at the base cell; "
+                             f"add it to --set losses= (trained: {sorted(base)})")
+        drafter, dparams, _ = load_drafter(os.path.join(workdir, "adapt", base[head]["name"]))
+        _say(f"arm {i + 1}/{len(runs)}: {arm['name']} seed {seed}, {p['rl_steps']} GRPO steps")
+        res = run_arm(arm, seed, p, model_factory(), tok, drafter, dparams, d)
+        start = res["records"][0].get("heldout_accuracy") if res["records"] else None
+        _say(f"arm {arm['name']} seed {seed}: held-out greedy accuracy "
+             f"{'-' if start is None else f'{start:.3f}'} -> {res['heldout_accuracy_end']:.3f} "
+             f"({res['train_seconds'] / 60:.1f} min of GRPO)")
+        out.append(res)
     return out
 
 

@@ -461,3 +461,46 @@ def test_an_interrupted_arm_reruns_with_a_fresh_rollout_log(tmp_path):
     (d / "events.out").write_text("x")
     fresh_arm_dir(str(d))
     assert not (d / "rollout.jsonl").exists() and (d / "events.out").read_text() == "x"
+
+
+def test_run_arms_resumes_finished_arms_and_reports_progress(tmp_path, monkeypatch, capsys):
+    """Finished arms are read back, not rerun; each arm that runs gets a start and an end line on
+    stderr (a log file shows no Tunix bar). ``run_arm`` is replaced by a recorder here."""
+    import experiments.rl_study_arms as arms_mod
+    import specjax.training.drafter_run as drafter_run
+    from experiments.rl_study import mode_params, parse_overrides, run_arms
+    with pytest.raises(ValueError, match="takes a tuple"):
+        mode_params("tiny", {"arms": "no_spec,rs_e2e_tv"})  # would be a tuple of characters
+    with pytest.raises(ValueError, match="unknown study parameter 'rl_step'"):
+        mode_params("tiny", {"rl_step": 3})
+    p = mode_params("tiny", parse_overrides(["arms=no_spec,rs_e2e_tv", "seeds=0,1"]))
+    adapt = [{"gamma": p["gamma"], "cap": p["cap"], "temp": p["temperature"], "loss": loss,
+              "name": f"{loss}_head"} for loss in ("ce", "e2e_tv")]
+    done = tmp_path / "arms" / "no_spec_s1"
+    done.mkdir(parents=True)
+    (done / "arm.json").write_text(json.dumps({"arm": "no_spec", "seed": 1, "finished": True}))
+    ran = []
+
+    def fake_run_arm(arm, seed, p, model, tok, drafter, dparams, d):
+        ran.append((arm["name"], seed, drafter))
+        return {"arm": arm["name"], "seed": seed, "records": [{"heldout_accuracy": 0.25}],
+                "heldout_accuracy_end": 0.5, "train_seconds": 90.0}
+    monkeypatch.setattr(arms_mod, "run_arm", fake_run_arm)
+    monkeypatch.setattr(drafter_run, "load_drafter", lambda path: (os.path.basename(path), {}, {}))
+    out = run_arms(p, lambda: "model", "tok", adapt, str(tmp_path))
+    # no_spec drafts nothing and takes the first trained head; rs_e2e_tv takes the e2e-TV head
+    assert ran == [("no_spec", 0, "ce_head"), ("rs_e2e_tv", 0, "e2e_tv_head"),
+                   ("rs_e2e_tv", 1, "e2e_tv_head")]
+    assert [(o["arm"], o["seed"]) for o in out] == [("no_spec", 0), ("no_spec", 1),
+                                                   ("rs_e2e_tv", 0), ("rs_e2e_tv", 1)]
+    assert out[1]["finished"]
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"rl_study: arm 1/4: no_spec seed 0, {p['rl_steps']} GRPO steps",
+        "rl_study: arm no_spec seed 0: held-out greedy accuracy 0.250 -> 0.500 (1.5 min of GRPO)",
+        f"rl_study: arm 3/4: rs_e2e_tv seed 0, {p['rl_steps']} GRPO steps",
+        "rl_study: arm rs_e2e_tv seed 0: held-out greedy accuracy 0.250 -> 0.500 "
+        "(1.5 min of GRPO)",
+        f"rl_study: arm 4/4: rs_e2e_tv seed 1, {p['rl_steps']} GRPO steps",
+        "rl_study: arm rs_e2e_tv seed 1: held-out greedy accuracy 0.250 -> 0.500 "
+        "(1.5 min of GRPO)"]
