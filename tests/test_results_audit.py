@@ -328,3 +328,26 @@ def test_quoted_rl_summary_table_matches_the_committed_results():
     assert [round(b["bound"], 2) for b in speed] == [0.78, 0.82]
     assert all(b["baseline"] == "engine_none" for b in speed)
     assert round(speed[0]["decoders"]["spec"]["tau"], 2) == 3.37
+
+
+def test_quoted_results_summary_table_matches_the_committed_results():
+    """docs/RESULTS.md's "What reproduces" table."""
+    bebop = json.load(open(os.path.join(FULL, "summary.json")))["bebop"]
+    table = {loss: row["all"] for loss, row in bebop["table"].items()}
+    vs_kl = bebop["table_vs_kl"]["e2e_tv"]["all"]
+    assert _points([table["e2e_tv"]["delta"], table["e2e_tv"]["delta_se"]]) == (11.9, 1.1)
+    assert _points([vs_kl["delta"], vs_kl["delta_se"]]) == (0.8, 0.5)
+    to = [100 * t["to"] for t in table.values()]
+    assert len(to) == 5 and (round(min(to), 1), round(max(to), 1)) == (19.5, 20.2)
+    rs_slopes = [t["rs_slope"] for t in table.values()]
+    assert (round(min(rs_slopes), 3), round(max(rs_slopes), 3)) == (0.020, 0.033)
+    assert round(table["ce"]["to_slope"], 3) == 0.157  # the TO row: the CE head
+    assert table["ce"]["rs_slope"] == max(rs_slopes)  # hard labels are the least flat
+    dspark = json.load(open(os.path.join(SEEDS, "summary.json")))["dspark"]["table"]
+    gain = {g: round(100 * (dspark["DSpark-Markov"][f"all@{g}"]["tau"] /
+                            dspark["DFlash"][f"all@{g}"]["tau"] - 1), 1) for g in (7, 15)}
+    assert gain == {7: 16.5, 15: 23.5}
+    for g in (7, 15):  # the sequential baselines reach higher τ
+        assert min(dspark[k][f"all@{g}"]["tau"] for k in ("MTP (CE, recursive)", "draft LM")) > \
+            max(dspark[k][f"all@{g}"]["tau"] for k in ("DSpark-Markov", "DSpark-RNN", "DFlash"))
+    # the STS row's peaks are test_quoted_three_seed_dspark_numbers_match_...'s worst_after
