@@ -350,4 +350,7 @@ def test_quoted_results_summary_table_matches_the_committed_results():
     for g in (7, 15):  # the sequential baselines reach higher τ
         assert min(dspark[k][f"all@{g}"]["tau"] for k in ("MTP (CE, recursive)", "draft LM")) > \
             max(dspark[k][f"all@{g}"]["tau"] for k in ("DSpark-Markov", "DSpark-RNN", "DFlash"))
-    # the STS row's peaks are test_quoted_three_seed_dspark_numbers_match_...'s worst_after
+    # the survival peaks are test_quoted_three_seed_dspark_numbers_match_...'s worst_after
+    over = json.load(open(os.path.join(SEEDS, "summary.json")))["dspark"]["calibration_over_seeds"]
+    assert [round(100 * max(over[f"dspark_markov_g{g}"]["ece_cond_after"]), 1)
+            for g in (7, 15)] == [11.7, 21.3]
