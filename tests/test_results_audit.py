@@ -354,3 +354,30 @@ def test_quoted_results_summary_table_matches_the_committed_results():
     over = json.load(open(os.path.join(SEEDS, "summary.json")))["dspark"]["calibration_over_seeds"]
     assert [round(100 * max(over[f"dspark_markov_g{g}"]["ece_cond_after"]), 1)
             for g in (7, 15)] == [11.7, 21.3]
+
+
+def test_quoted_spec_vs_plain_summary_matches_the_committed_results():
+    """docs/SPEC_VS_PLAIN.md's "In short" paragraph, from the committed benchmark JSON."""
+    import numpy as np
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cells = json.load(open(os.path.join(root, "benchmarks", "results",
+                                        "spec_vs_plain.json")))["cells"]
+    assert len(cells) == 18
+    got = {}
+    for k in ("spec:mtp:fixed", "spec:dspark:fixed"):
+        s = [c["decoders"][k]["speedup"] for c in cells]
+        p = [c["decoders"][k]["predicted_speedup"] for c in cells]
+        got[k] = (round(min(s), 2), round(max(s), 2), round(float(np.median(s)), 2),
+                  sum(x < 1 for x in p), round(min(p), 2), round(max(p), 2))
+    assert got == {"spec:mtp:fixed": (0.34, 0.84, 0.58, 16, 0.44, 1.10),
+                   "spec:dspark:fixed": (0.36, 0.73, 0.51, 17, 0.50, 1.05)}
+    costs = [c["decoders"][k]["step_costs"] for c in cells
+             for k in ("spec:mtp:fixed", "spec:dspark:fixed")]
+    verify = [x["verify_s"] / x["plain_s"] for x in costs]
+    assert (round(min(verify), 1), round(float(np.median(verify)), 1), round(max(verify), 1)) == \
+        (1.4, 1.7, 2.0)
+    draft = [c["decoders"]["spec:mtp:fixed"]["step_costs"] for c in cells]
+    draft = [x["draft_s"] / x["plain_s"] for x in draft]
+    assert (round(min(draft), 2), round(max(draft), 2)) == (1.35, 1.76)
+    none = [c["engine_none_vs_fastest"] for c in cells if c["batch"] == 1]
+    assert (round(min(none), 2), round(max(none), 2)) == (0.85, 1.00)
