@@ -565,9 +565,23 @@ def _figure(ncols: int, width: float = 4.0, height: float = 3.4):
     return fig, fig.subplots(1, ncols, squeeze=False)[0]
 
 
+def _save(fig, axes, path: str, ylabel: str, title: str) -> str:
+    """Grid on every panel, the y label on the first, the legend on the last; writes ``path``."""
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(ylabel)
+    axes[-1].legend(fontsize=7, loc="lower left")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return path
+
+
 def plot_acceptance_per_position(path: str, curves: Mapping[str, Mapping[str, Sequence[float]]],
                                  *, title: str = "") -> str:
     """One panel per domain; ``curves[domain][label] = acceptance per position``."""
+    from matplotlib.ticker import MaxNLocator
     domains = list(curves)
     fig, axes = _figure(len(domains))
     for ax, d in zip(axes, domains):
@@ -576,15 +590,9 @@ def plot_acceptance_per_position(path: str, curves: Mapping[str, Mapping[str, Se
             ax.plot(np.arange(1, acc.size + 1), acc, "o-", ms=3, label=label)
         ax.set_title(d)
         ax.set_xlabel("draft position k")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # positions are whole numbers
         ax.set_ylim(0, 1)
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("P(accept k | prefix accepted)")
-    axes[-1].legend(fontsize=7, loc="lower left")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    return path
+    return _save(fig, axes, path, "P(accept k | prefix accepted)", title)
 
 
 def plot_acceptance_vs_entropy(path: str, series: Mapping[str, Mapping[str, dict]], *,
@@ -608,14 +616,7 @@ def plot_acceptance_vs_entropy(path: str, series: Mapping[str, Mapping[str, dict
         ax.set_title(d)
         ax.set_xlabel("target entropy H(p) [nats]")
         ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("acceptance probability")
-    axes[-1].legend(fontsize=7, loc="lower left")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    return path
+    return _save(fig, axes, path, "acceptance probability", title)
 
 
 def write_json(path: str, obj: Any) -> str:
