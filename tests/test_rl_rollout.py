@@ -3,7 +3,7 @@
 * Exactness after a weight update: rollouts have the *updated* policy's distribution over whole
   3-token completions (chi-square at the 1e-6 level), with rejection sampling at T = 1 and under
   top-p, and with target-only verification; the same samples are far from the stale policy's
-  distribution (the check can see stale weights).
+  distribution (the check can see stale weights). The same after an online drafter update.
 * update_params compiles nothing.
 * The adapter's log-probs (Tunix's own ``compute_per_token_logps``) equal specjax's forward.
 * Acceptance per draft position from step time stamps, metrics, knob refusal.
@@ -132,6 +132,39 @@ def test_rollouts_follow_the_updated_policy(method, top_p):
     chisquare_gof(counts, _exact(new, top_p), label=f"{method} top_p={top_p}")
     stale = chisquare_gof(counts, stale_joint, check=False)
     assert not stale.passed, f"stale weights not distinguishable: {stale}"
+
+
+def test_rollouts_stay_exact_after_an_online_drafter_update():
+    """The online-update arms' path: :class:`specjax.rl.online.OnlineDrafterUpdate` steps on the
+    rollout's own sequences, then ``set_drafter_params``. The drafter moves (its teacher-forced
+    acceptance changes), and the rollouts keep the policy's distribution (chi-square at 1e-6): a
+    verifier that drafted from the new head but kept the old head's q would not."""
+    from specjax.rl.online import OnlineDrafterUpdate
+    model = _model(1, 6.0)
+    rollout = _rollout(model, "rejection", filters=False)
+    rc = RolloutConfig(max_tokens_to_generate=NEW, max_prompt_length=4, temperature=1.0,
+                       eos_tokens=[99], seed=13)
+    _counts(rollout, 64, rc)  # sequences to train on, and the old head served once
+    batch = rollout.last_batch
+    rows = np.array([list(p) + list(r.tokens) for p, r in zip(batch["prompts"],
+                                                             batch["results"])], np.int32)
+    engine = rollout.engine
+    upd = OnlineDrafterUpdate(engine.drafter, "tv", learning_rate=0.05, gamma=GAMMA)
+    params, opt = engine.params, upd.init(engine.params)
+    valid = np.ones_like(rows, bool)
+    before = float(upd.loss_and_metrics(params, engine.graphdef, engine.target_state, rows,
+                                        valid)[1]["alpha_mean"])
+    for _ in range(5):
+        params, opt, _ = upd.step(params, opt, engine.graphdef, engine.target_state, rows, valid)
+    after = float(upd.loss_and_metrics(params, engine.graphdef, engine.target_state, rows,
+                                       valid)[1]["alpha_mean"])
+    assert abs(after - before) > 0.05, (before, after)  # a different head, not a nudge
+    rollout.set_drafter_params(params)
+    n = 6000
+    counts = _counts(rollout, n, rc)
+    m = rollout.last_metrics
+    assert m["drafted"] > 0.5 * n and m["accepted"] > 0.03 * n
+    chisquare_gof(counts, _exact(model), label="after an online drafter update")
 
 
 def test_update_params_compiles_nothing():
