@@ -190,8 +190,8 @@ def run_adaptation(p, model, tok, target_workdir, workdir) -> list[dict]:
     # the drafter's batch is split over every device (data parallel): round it up to a multiple
     batch = data_parallel_batch(p["drafter_batch"], jax.device_count())
     if batch != p["drafter_batch"]:
-        print(f"rl_study: drafter batch {p['drafter_batch']} -> {batch} (a multiple of the "
-              f"{jax.device_count()} devices)", flush=True)
+        _say(f"drafter batch {p['drafter_batch']} -> {batch} (a multiple of the "
+             f"{jax.device_count()} devices)")
     out = []
     cells = adaptation_cells(p)
     for i, cell in enumerate(cells):
