@@ -249,7 +249,7 @@ def _claims(arms, by_arm):
             c.setdefault("online_update_acceptance_minus_frozen_points", {})[name] = windows
     for name, a in arms.items():
         g = {}
-        for metric in ("greedy", "sampled"):
+        for metric, _ in HELDOUT_METRICS:
             if f"{metric}_gain" in a:
                 x = a[f"{metric}_gain"]
                 m, se = x["combined"]

@@ -300,30 +300,15 @@ def test_quoted_rl_summary_table_matches_the_committed_results():
     slow = [round(d["max_abs_drift_points"], 1) for n, d in drifts.items() if n != "quickstart"]
     assert (min(slow), max(slow)) == (4.5, 10.0)
 
-    t1, t06 = study("math_stage_p16_100"), study("math_stage_p16_100_t06_4seeds")
-    assert t06["params"]["seeds"] == [0, 1, 2, 3]
+    # the T = 0.6 numbers of the exactness, premise and online rows (four seeds) are those of
+    # docs/RL.md's "A fourth seed" table: test_quoted_rl_t06_four_seed_numbers_match_... below
+    t1 = study("math_stage_p16_100")
     diff = t1["claims"]["sampled_gain_equal_within_noise"]["paired_diff_rs_e2e_tv_minus_no_spec"]
     assert (round(100 * diff[0], 2), round(100 * diff[1], 1)) == (1.25, 1.0)
-    assert [_points(t06["claims"][k]["paired_diff_rs_e2e_tv_minus_no_spec"])
-            for k in ("accuracy_gain_equal_within_noise", "sampled_gain_equal_within_noise")] == [
-        (0.2, 1.0), (0.8, 0.9)]
     assert {(a, k): _points(t1["arms"][a][k]["combined"]) for a in ("no_spec", "rs_e2e_tv")
             for k in ("sampled_gain", "greedy_gain")} == {
         ("no_spec", "sampled_gain"): (2.1, 0.8), ("rs_e2e_tv", "sampled_gain"): (3.4, 0.8),
         ("no_spec", "greedy_gain"): (0.2, 1.3), ("rs_e2e_tv", "greedy_gain"): (0.3, 1.2)}
-    greedy = [t06["arms"][a]["greedy_gain"]["combined"] for a in ("no_spec", "rs_e2e_tv")]
-    assert [_points(g) for g in greedy] == [(1.9, 1.2), (2.1, 1.1)]
-    assert [round(g[0] / g[1], 1) for g in greedy] == [1.6, 2.0]
-    vs = t06["claims"]["gain_minus_no_spec_points"]
-    assert {(a, m): [round(x, 1) for x in vs[a][m]["diff"]] for a in vs for m in vs[a]
-            if "online" in a} == {
-        ("rs_e2e_tv_online_ce", "greedy"): [-2.3, 1.3], ("rs_e2e_tv_online_ce", "sampled"): [0.4, 0.9],
-        ("rs_e2e_tv_online_tv", "greedy"): [-2.4, 1.1], ("rs_e2e_tv_online_tv", "sampled"): [-0.3, 0.9]}
-
-    online = t06["claims"]["online_update_acceptance_minus_frozen_points"]
-    assert [round(x, 1) for x in online["rs_e2e_tv_online_tv"]["run"]["mean"]] == [0.9, 0.2]
-    assert [round(x, 1) for x in online["rs_e2e_tv_online_tv"]["last_fifth"]["mean"]] == [1.6, 0.1]
-    assert [round(x, 1) for x in online["rs_e2e_tv_online_ce"]["run"]["mean"]] == [-0.6, 0.2]
 
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                          "benchmarks", "results")
@@ -408,6 +393,9 @@ def test_quoted_rl_t06_four_seed_numbers_match_the_committed_results():
         ("rs_e2e_tv", "greedy"): [0.2, 1.0], ("rs_e2e_tv", "sampled"): [0.8, 0.9],
         (ce, "greedy"): [-2.3, 1.3], (ce, "sampled"): [0.4, 0.9],
         (tv, "greedy"): [-2.4, 1.1], (tv, "sampled"): [-0.3, 0.9]}
+    assert [_points(claims[k]["paired_diff_rs_e2e_tv_minus_no_spec"])
+            for k in ("accuracy_gain_equal_within_noise", "sampled_gain_equal_within_noise")] == [
+        (0.2, 1.0), (0.8, 0.9)]
     assert not vs[tv]["greedy"]["holds"] and round(-vs[tv]["greedy"]["diff"][0] /
                                                    vs[tv]["greedy"]["diff"][1], 1) == 2.2
     w = claims["online_update_acceptance_minus_frozen_points"]
