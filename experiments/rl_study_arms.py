@@ -8,6 +8,11 @@ problem); cluster-robust errors of τ and entropy (clustered by sequence); the s
 split (evaluations left out), and optionally one online drafter update on the step's rollouts
 (:class:`specjax.rl.online.OnlineDrafterUpdate`). ``plain=True`` replaces speculative decoding by
 the plain decoder (:func:`specjax.models.generate.generate`): the no-speculation arm.
+
+After the last step a speculative arm's greedy evaluation is repeated through the plain decoder
+(``heldout_end["greedy_plain_correct"]``, and ``greedy_text_same_as_plain`` per problem): at
+temperature 0 both return the policy's argmax chain, so the greedy accuracy should not depend on
+the drafter the arm evaluated with.
 """
 from __future__ import annotations
 
@@ -47,6 +52,17 @@ class StudyRollout(SpeculativeRollout):
         return [Result(request_id=str(i), tokens=list(t), submit_time=t0, finish_time=now,
                        finish_reason="stop" if eos is not None and eos in t else "length",
                        steps=max(0, len(t) - 1)) for i, t in enumerate(toks)]
+
+    def plain_text(self, prompts, rollout_config) -> list[str]:
+        """Completions of ``prompts`` by the plain decoder (:func:`specjax.models.generate.
+        generate`) through this rollout's own path (encoding, stop tokens, decoding), tagged
+        ``mode="eval"`` in the log: what the speculative engine's output is checked against."""
+        spec = self.engine.generate
+        self.engine.generate = self._plain_generate
+        try:
+            return SpeculativeRollout.generate(self, prompts, rollout_config, mode="eval").text
+        finally:
+            self.engine.generate = spec
 
     def generate(self, prompts, rollout_config=None, *, mode="train", **kw):
         if mode != "train":
@@ -166,10 +182,16 @@ def run_arm(arm: dict, seed: int, p, model, tok, drafter, dparams, workdir: str)
                                temperature=p["temperature"], eos_tokens=[ttok.eos_id()],
                                seed=seed + T.EVAL_SEED_OFFSET)
 
+    last_greedy: dict = {}  # the latest greedy evaluation's completions
+
     def eval_fn(rollout) -> dict:
+        def gen(prompts, rc):
+            out = rollout.generate(prompts, rc, mode="eval")
+            if rc.temperature == 0:
+                last_greedy["text"] = out.text
+            return out
         with mesh:
-            return T.heldout_eval(functools.partial(rollout.generate, mode="eval"), heldout,
-                                  eval_rc, sampled_rc, p["eval_samples"])
+            return T.heldout_eval(gen, heldout, eval_rc, sampled_rc, p["eval_samples"])
 
     updater = None
     if arm["online"]:
@@ -208,6 +230,17 @@ def run_arm(arm: dict, seed: int, p, model, tok, drafter, dparams, workdir: str)
     t_end = time.perf_counter()
     rollout.update_params(nnx.state(rollout.model(), nnx.Param))
     end = eval_fn(rollout)
+    if arm["method"] != "none":
+        # The final policy's greedy answers again through the plain decoder. At temperature 0
+        # speculative decoding returns the policy's argmax chain, so the texts should match;
+        # a mismatch (a float near-tie resolved differently, or a fault) would make the greedy
+        # accuracy depend on the drafter.
+        with mesh:
+            plain = rollout.plain_text([q.prompt for q in heldout], eval_rc)
+        end["greedy_plain_correct"] = T.accuracy_per_problem(plain, heldout, 1).astype(
+            int).tolist()
+        end["greedy_text_same_as_plain"] = [int(a == b) for a, b in
+                                            zip(last_greedy["text"], plain)]
     recs = rollout.records
     for i, r in enumerate(recs):
         # the next step's evaluation runs before its t_start: not this step's time

@@ -190,6 +190,52 @@ def _online_minus_frozen_windows(by_arm, name):
     return out
 
 
+# two-sided normal quantile at the 1e-6 level (the project's threshold for exactness tests)
+Z_1E6 = 4.891638
+# steps below which a z from their spread is not compared with a normal quantile (Student's t
+# with 29 degrees of freedom puts about 1e-4, not 1e-6, beyond 4.89)
+MIN_STEPS_FOR_VERDICT = 30
+
+
+def _exactness_gap(runs: list[dict]) -> dict | None:
+    """An arm's training rollouts checked for exactness, in nats per token: the mean over its
+    steps (every seed) of each rollout's mean ``log p(x_t) + H_t``
+    (:func:`specjax.rl.scoring.exactness_gap`), 0 in expectation for exact samples of the
+    policy whatever it is. Each step's value has mean 0 given everything before it, so the
+    steps are uncorrelated and the s.e. is their spread over sqrt(steps). ``holds``: ``|z|``
+    below the two-sided 1e-6 normal quantile; None below :data:`MIN_STEPS_FOR_VERDICT` steps,
+    where a spread of a few values makes ``z`` far heavier-tailed than a normal. The whole
+    result is None when the records carry no log-probs."""
+    v = [r["logp"] + r["entropy"] for run in runs for r in run["records"]
+         if r.get("logp") is not None and r.get("entropy") is not None]
+    if len(v) < 2:
+        return None
+    m, se = mean_se(v)
+    z = m / se if se > 0 else float("nan")
+    holds = bool(abs(z) < Z_1E6) if len(v) >= MIN_STEPS_FOR_VERDICT else None
+    return {"gap_nats": [m, se], "z": z, "steps": len(v), "holds": holds}
+
+
+def _greedy_same_as_plain(runs: list[dict]) -> dict | None:
+    """The final greedy evaluation through the arm's speculative engine against the plain
+    decoder (``run_arm`` repeats it): per seed the problems whose completions are the same text
+    and the two accuracies. ``holds``: the same text on every problem of every seed. None for
+    runs without the repeat (the no-speculation arm, runs recorded before it existed)."""
+    per_seed = []
+    for r in runs:
+        end = r.get("heldout_end", {})
+        same, plain = end.get("greedy_text_same_as_plain"), end.get("greedy_plain_correct")
+        if same is None or plain is None:
+            return None
+        per_seed.append({"seed": r["seed"], "same_text": int(np.sum(same)), "problems": len(same),
+                         "accuracy_engine": r["heldout_accuracy_end"],
+                         "accuracy_plain": float(np.mean(plain))})
+    if not per_seed:
+        return None
+    return {"per_seed": per_seed,
+            "holds": all(x["same_text"] == x["problems"] for x in per_seed)}
+
+
 def _claims(arms, by_arm):
     c = {}
     to, rs = arms.get("to_ce", {}), arms.get("rs_e2e_tv", {})
@@ -256,6 +302,11 @@ def _claims(arms, by_arm):
                 g[metric] = {"gain": m, "se": se, "holds": bool(m > se), "se_over": x["se_over"]}
         if g:
             c.setdefault("grpo_raises_heldout_accuracy", {})[name] = g
+    for name, runs in by_arm.items():
+        if (g := _greedy_same_as_plain(runs)) is not None:
+            c.setdefault("greedy_evaluation_same_as_plain_decoder", {})[name] = g
+        if (g := _exactness_gap(runs)) is not None:
+            c.setdefault("rollouts_exact_samples_of_the_policy", {})[name] = g
     if "no_spec" in arms:
         base = arms["no_spec"]["rollout_s"][0]
         c["rollout_speedup_vs_no_spec"] = {

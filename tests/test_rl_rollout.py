@@ -4,6 +4,8 @@
   3-token completions (chi-square at the 1e-6 level), with rejection sampling at T = 1 and under
   top-p, and with target-only verification; the same samples are far from the stale policy's
   distribution (the check can see stale weights). The same after an online drafter update.
+* The exactness monitor (``exactness_gap``: mean of log p + H) stays within noise of 0 for those
+  rollouts, and is far from 0 for samples of another policy (it can see a wrong sampler).
 * update_params compiles nothing.
 * The adapter's log-probs (Tunix's own ``compute_per_token_logps``) equal specjax's forward.
 * Acceptance per draft position from step time stamps, metrics, knob refusal.
@@ -108,6 +110,17 @@ def _counts(rollout, n, rc):
     return np.bincount(np.ravel_multi_index(toks.T, (V,) * NEW), minlength=V ** NEW)
 
 
+# two-sided normal quantile at the 1e-6 level: an exact sampler's |gap| / s.e. exceeds it with
+# probability 1e-6 (the gap is a mean of 6,000 independent sequence sums: the CLT holds)
+Z_1E6 = float(sps.norm.isf(0.5e-6))
+
+
+def _assert_gap_is_noise(m):
+    """The rollout's exactness monitor (mean of log p + H per token) is 0 up to its noise."""
+    assert m["exactness_gap_se"] > 0
+    assert abs(m["exactness_gap"]) < Z_1E6 * m["exactness_gap_se"], m
+
+
 @pytest.mark.parametrize("method,top_p", [("rejection", None), ("rejection", 0.8),
                                           ("target_only", None)])
 def test_rollouts_follow_the_updated_policy(method, top_p):
@@ -130,6 +143,7 @@ def test_rollouts_follow_the_updated_policy(method, top_p):
     m = rollout.last_metrics
     assert m["weights_version"] == 1 and m["drafted"] > 0.5 * n and m["accepted"] > 0.03 * n
     chisquare_gof(counts, _exact(new, top_p), label=f"{method} top_p={top_p}")
+    _assert_gap_is_noise(m)
     stale = chisquare_gof(counts, stale_joint, check=False)
     assert not stale.passed, f"stale weights not distinguishable: {stale}"
 
@@ -165,6 +179,49 @@ def test_rollouts_stay_exact_after_an_online_drafter_update():
     m = rollout.last_metrics
     assert m["drafted"] > 0.5 * n and m["accepted"] > 0.03 * n
     chisquare_gof(counts, _exact(model), label="after an online drafter update")
+    _assert_gap_is_noise(m)
+
+
+def test_exactness_gap_by_hand():
+    from specjax.rl.scoring import exactness_gap
+    # sequence sums: (-1 + 0.5) + (-2 + 1.5) = -1 over 2 tokens, (-0.2 + 0.7) = 0.5 over 1
+    gap, se = exactness_gap([np.array([-1.0, -2.0]), np.array([-0.2])],
+                            [np.array([0.5, 1.5]), np.array([0.7])])
+    assert gap == pytest.approx(-0.5 / 3)
+    # clustered: G / (G - 1) * sum (s_i - r n_i)^2 / N^2
+    r = -0.5 / 3
+    assert se == pytest.approx(np.sqrt(2 * ((-1 - 2 * r) ** 2 + (0.5 - r) ** 2) / 9))
+    assert np.isnan(exactness_gap([np.zeros(0)], [np.zeros(0)])[0])
+    assert np.isnan(exactness_gap([np.array([-1.0])], [np.array([1.0])])[1])  # one sequence
+    # a token the policy cannot produce is a loud -inf, not a skipped value
+    assert exactness_gap([np.array([-np.inf, -1.0]), np.array([-1.0])],
+                         [np.array([1.0, 1.0]), np.array([1.0])])[0] == -np.inf
+    with pytest.raises(ValueError, match="equal"):
+        exactness_gap([np.zeros(2)], [np.zeros(3)])
+    with pytest.raises(ValueError, match="rows"):
+        exactness_gap([np.zeros(2)], [])
+
+
+def test_exactness_gap_sees_samples_of_another_policy():
+    """Sequences drawn exactly from one model and scored under it: the gap is noise. The same
+    sequences scored under a second model (a sampler that does not follow the policy it is
+    scored by): the gap is many standard errors from 0."""
+    from specjax.rl.scoring import exactness_gap, score_rows
+    a, b = _model(1, 6.0), _model(2, 6.0)
+    joint = _exact(a).ravel()
+    rng = np.random.default_rng(0)
+    seqs = np.stack(np.unravel_index(rng.choice(joint.size, 6000, p=joint / joint.sum()),
+                                     (V,) * NEW), axis=1)
+    rows = np.concatenate([np.tile(PROMPT, (len(seqs), 1)), seqs], axis=1).astype(np.int32)
+    t = np.ones(len(rows), np.float32)
+    zs = {}
+    for name, model in (("own", a), ("other", b)):
+        gd, st = nnx.split(model)
+        lp, en = (np.asarray(x)[:, len(PROMPT) - 1:] for x in score_rows(gd, st, rows, t))
+        gap, se = exactness_gap(list(lp), list(en))
+        zs[name] = gap / se
+    assert abs(zs["own"]) < Z_1E6, zs
+    assert abs(zs["other"]) > Z_1E6, zs
 
 
 def test_update_params_compiles_nothing():

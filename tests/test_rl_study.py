@@ -110,6 +110,22 @@ def check_study(summary: dict, results_dir: str, mode: str) -> None:
             assert np.allclose(np.add(d["entropy"], d["mismatch"]), d["total"], rtol=0,
                                atol=1e-12)
         assert 0.0 <= m["heldout_accuracy"][0] <= 1.0
+    # every arm's rollouts pass the exactness monitor (mean log p + H = 0) at the 1e-6 level
+    # (no verdict from a few steps: the tiny mode's two)
+    exact = summary["claims"]["rollouts_exact_samples_of_the_policy"]
+    assert set(exact) == set(summary["arms"]), exact
+    for g in exact.values():
+        assert g["holds"] is (None if g["steps"] < 30 else True), exact
+    # each speculative arm's final greedy evaluation was repeated through the plain decoder
+    greedy = summary["claims"]["greedy_evaluation_same_as_plain_decoder"]
+    assert set(greedy) == set(summary["arms"]) - {"no_spec"}
+    for g in greedy.values():
+        for x in g["per_seed"]:
+            assert x["problems"] == summary["params"]["n_heldout"]
+            assert 0 <= x["same_text"] <= x["problems"]
+            assert 0.0 <= x["accuracy_plain"] <= 1.0 and 0.0 <= x["accuracy_engine"] <= 1.0
+            if x["same_text"] == x["problems"]:  # the same texts score the same
+                assert x["accuracy_plain"] == x["accuracy_engine"]
     for fig in ("fig3_decomposition", "fig6_accept_length", "fig7_latency", "fig8_entropy_slope",
                 "fig9a_online_updates", "heldout_accuracy", "adaptation"):
         assert os.path.getsize(os.path.join(results_dir, f"{fig}_{mode}.png")) > 1000
@@ -270,6 +286,36 @@ def test_summary_claims_on_synthetic_arms():
     s["claims"]["toy"] = {"x": [0.123456789, float("nan")], "holds": True}
     md = study_markdown(s)
     assert '- `toy`: {"x": [0.1235, null], "holds": true}' in md and "nan" not in md
+
+
+def test_exactness_claim_by_hand_and_on_a_biased_arm():
+    """The pooled exactness monitor: per step ``logp + entropy`` (the rollout's mean log p + H).
+    An exact arm wobbles around 0; a biased one sits 0.02 nats above it."""
+    from scipy import stats as sps
+
+    from experiments.rl_study_report import Z_1E6, summarize
+    assert Z_1E6 == pytest.approx(sps.norm.isf(0.5e-6), rel=1e-6)
+    wobble = 0.01 * np.tile([1.0, -1.0, 2.0, -2.0, 0.5, -0.5], 3)  # 18 steps a seed
+    arms = []
+    for seed in (0, 1):
+        for name, shift in (("exact", 0.0), ("biased", 0.02)):
+            arms.append({"arm": name, "seed": seed, "heldout_accuracy_end": 0.2, "records": [
+                {"logp": -0.3 + w + shift, "entropy": 0.3, "rollout_s": 1.0, "step_s": 1.0}
+                for w in wobble]})
+    arms[0]["records"].append({"logp": None, "entropy": None, "rollout_s": 1.0, "step_s": 1.0})
+    c = summarize({"mode": "test", "gamma": 2}, [], arms)["claims"]
+    g = c["rollouts_exact_samples_of_the_policy"]
+    sd = np.std(np.tile(wobble, 2), ddof=1)  # 36 steps, mean 0
+    assert g["exact"]["steps"] == 36  # the step without tokens is left out
+    assert g["exact"]["gap_nats"] == pytest.approx([0.0, sd / 6], abs=1e-12)
+    assert g["exact"]["holds"] is True
+    assert g["biased"]["gap_nats"] == pytest.approx([0.02, sd / 6])
+    assert g["biased"]["z"] == pytest.approx(0.02 / (sd / 6))
+    assert g["biased"]["z"] > Z_1E6 and g["biased"]["holds"] is False
+    # a few steps: a mean and a s.e., no verdict
+    few = summarize({"mode": "test", "gamma": 2}, [], [dict(arms[1], records=arms[1]["records"][
+        :6])])["claims"]["rollouts_exact_samples_of_the_policy"]["biased"]
+    assert few["steps"] == 6 and few["holds"] is None
 
 
 def test_paired_gain_by_hand():

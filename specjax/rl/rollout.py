@@ -26,6 +26,11 @@ part of ``tokens`` / ``text``). ``logprobs`` (when requested) are the exact log-
 sampled tokens under the distribution they were drawn from (temperature, top-k, top-p);
 :meth:`get_per_token_logps` follows Tunix's learner (temperature only, no filters), which is what
 the GRPO ratio compares against.
+
+Every rollout's metrics carry an exactness monitor, ``exactness_gap`` (± ``exactness_gap_se``):
+the mean over sampled tokens of ``log p(x_t) + H_t``, which is 0 in expectation for exact samples
+of the policy (:func:`specjax.rl.scoring.exactness_gap`). Pooled over a run's rollouts, a gap
+many standard errors from 0 means the sampler is not drawing from the policy.
 """
 from __future__ import annotations
 
@@ -45,7 +50,7 @@ from specjax.engine import Engine, EngineConfig, Request
 from specjax.models.transformer import Transformer
 from specjax.rl.acceptance import position_acceptance
 from specjax.rl.policy import TunixPolicy
-from specjax.rl.scoring import score_rows, tunix_logps
+from specjax.rl.scoring import exactness_gap, score_rows, tunix_logps
 from specjax.scheduling import SchedulerConfig
 
 __all__ = ["SpeculativeRollout", "HONOURED_KNOBS"]
@@ -357,6 +362,8 @@ class SpeculativeRollout(base_rollout.BaseRollout):
         else:
             drafted = int(sum(s.drafts_verified for s in self.engine.stats[n_stats[0]:]))
         all_ent = np.concatenate(ent) if ent else np.zeros(0)
+        gap, gap_se = exactness_gap(logp, ent) if all_ent.size else (None, None)
+        gap_se = gap_se if gap_se is not None and np.isfinite(gap_se) else None
         m = {"rollout": self._calls, "weights_version": self._version,
              "sequences": len(results), "tokens": n_tok, "steps": steps, "drafted": drafted,
              "accepted": accepted, "acceptance": accepted / drafted if drafted else None,
@@ -366,6 +373,8 @@ class SpeculativeRollout(base_rollout.BaseRollout):
              "entropy_seq": float(np.mean([e.mean() for e in ent if e.size])) if all_ent.size
              else None,
              "logp": float(np.concatenate(logp).mean()) if all_ent.size else None,
+             # mean of log p + H per token: 0 for exact samples (scoring.exactness_gap)
+             "exactness_gap": gap, "exactness_gap_se": gap_se,
              "mean_length": n_tok / max(1, len(results)),
              "stopped": float(np.mean([r.finish_reason == "stop" for r in results])),
              "wall_s": wall, "tokens_per_s": n_tok / wall if wall > 0 else None}

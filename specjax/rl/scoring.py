@@ -22,11 +22,13 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.models.transformer import apply
 from specjax.sampling import logits_to_probs
+from specjax.stats import clustered_ratio
 
-__all__ = ["token_logprobs", "score_rows", "right_align", "tunix_logps"]
+__all__ = ["token_logprobs", "score_rows", "right_align", "tunix_logps", "exactness_gap"]
 
 
 def token_logprobs(logits: jax.Array, targets: jax.Array, temperature, top_k=None,
@@ -102,3 +104,38 @@ def tunix_logps(graphdef, state, prompt_tokens, completion_tokens, temperature, 
     # completion token j sits at row index start + j and is scored by entry start + j - 1
     idx = start[:, None] - 1 + jnp.arange(c)[None, :]
     return jnp.take_along_axis(logp, idx, axis=1)
+
+
+def exactness_gap(logp, entropy) -> tuple[float, float]:
+    """An exactness monitor for sampled sequences: ``(mean of log p(x_t) + H_t, clustered s.e.)``.
+
+    For a token drawn from the policy, ``E[log p(x_t) | prefix] = -H_t`` (the entropy of the
+    distribution it was drawn from), so ``log p(x_t) + H_t`` has mean 0 whatever the prefix, and
+    its sum over a sequence, stopped by a stop token or the length cap, has mean 0 too (optional
+    stopping). A sampler that departs from the policy, say a verifier that leans toward its
+    drafter's guesses, moves the mean away from 0: its ``|gap| / s.e.`` grows as the square root
+    of the tokens seen. A token the policy gives probability 0 makes the gap ``-inf``.
+    The mean is per token; the s.e. takes each sequence as a cluster (its tokens share a prefix).
+
+    Args:
+      logp: per sequence, float ``[n_i]`` log-probabilities of the sampled tokens (as
+        :func:`token_logprobs` computes them, under the sampling transform).
+      entropy: per sequence, float ``[n_i]`` entropies of the same distributions.
+    Returns:
+      ``(gap, se)``; ``(nan, nan)`` without tokens, s.e. nan for one sequence.
+    """
+    if len(logp) != len(entropy):
+        raise ValueError(f"{len(logp)} log-prob rows for {len(entropy)} entropy rows")
+    sums, counts = [], []
+    for lp, en in zip(logp, entropy):
+        lp, en = np.asarray(lp, np.float64), np.asarray(en, np.float64)
+        if lp.shape != en.shape or lp.ndim != 1:
+            raise ValueError(f"want equal [n] rows, got {lp.shape} and {en.shape}")
+        if lp.size:
+            sums.append(float(np.sum(lp + en)))
+            counts.append(lp.size)
+    if not counts:
+        return float("nan"), float("nan")
+    if not np.all(np.isfinite(sums)):
+        return float("-inf") if np.any(np.isneginf(sums)) else float("nan"), float("nan")
+    return clustered_ratio(sums, counts)
