@@ -302,7 +302,8 @@ def run_study(mode: str, workdir: str, target_workdir: str = "", results_dir: st
     """Runs (or resumes) the study; writes ``study_<name>.json`` (``name`` defaults to the mode)
     and the figures into ``results_dir`` (default ``<workdir>/results``) and returns the summary.
     A workdir belongs to one set of parameters: resuming it with others is refused."""
-    from experiments.rl_study_report import study_markdown, summarize, write_figures
+    from experiments.rl_study_figures import write_figures
+    from experiments.rl_study_report import study_markdown, summarize
     from specjax.evaluation import write_json
     p = mode_params(mode, overrides)
     name = name or mode

@@ -205,7 +205,8 @@ def test_adaptation_only_summary_has_no_arm_tables_or_figures(tmp_path):
     """``--set arms=``: the summary, its markdown and its figures hold the adaptation alone."""
     pytest.importorskip("matplotlib")
     from experiments import rl_study as S
-    from experiments.rl_study_report import study_markdown, summarize, write_figures
+    from experiments.rl_study_figures import write_figures
+    from experiments.rl_study_report import study_markdown, summarize
     p = S.mode_params("small", {"arms": ()})
     adapt = [dict(loss=loss, gamma=3, cap=64, temp=1.0, accept_rate=a, alpha=[a, a, a])
              for loss, a in (("kl", 0.75), ("e2e_tv", 0.78))]
@@ -550,3 +551,54 @@ def test_run_arms_resumes_finished_arms_and_reports_progress(tmp_path, monkeypat
         f"rl_study: arm 4/4: rs_e2e_tv seed 1, {p['rl_steps']} GRPO steps",
         "rl_study: arm rs_e2e_tv seed 1: held-out greedy accuracy 0.250 -> 0.500 "
         "(1.5 min of GRPO)"]
+
+
+def test_study_rollout_plain_text_is_the_plain_decoder_then_speculation_again():
+    """``StudyRollout.plain_text`` (the final greedy evaluation's second decoder) decodes with
+    ``specjax.models.generate`` and hands the engine back: greedy, both give the same text, and
+    the next call drafts again."""
+    pytest.importorskip("tunix")
+    from tunix.rl.rollout.base_rollout import RolloutConfig
+
+    from experiments.rl_study_arms import StudyRollout
+    from specjax.drafters import MTPConfig, MTPDrafter
+    from specjax.engine import EngineConfig
+    from specjax.models import ModelConfig, init_model
+    from specjax.rl import TunixPolicy
+    from specjax.scheduling import SchedulerConfig
+
+    class Ids:  # token ids written as space-separated integers
+        def encode(self, text):
+            return [int(t) for t in text.split()]
+
+        def decode(self, ids):
+            return " ".join(str(int(i)) for i in ids)
+
+        def bos_id(self):
+            return None
+
+        def eos_id(self):
+            return 4
+
+        def pad_id(self):
+            return 5
+
+    cfg = ModelConfig(vocab_size=6, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8)
+    model = init_model(cfg, seed=1)
+    model.embed[...] = model.embed[...] * 6.0  # peaked next-token distributions: no near-ties
+    d, p = MTPDrafter.create(cfg, MTPConfig(), seed=3)
+    ec = EngineConfig(num_slots=4, max_len=16, gamma=2, prefill_buckets=(4,),
+                      scheduler=SchedulerConfig("fixed", k=2), overlap=False, filters=False)
+    rc = RolloutConfig(max_tokens_to_generate=6, max_prompt_length=4, temperature=0.0,
+                       eos_tokens=[99])
+    r = StudyRollout(rollout_actor=TunixPolicy(model), tokenizer=Ids(), rollout_config=rc,
+                     drafter=d, drafter_params=p, engine_config=ec)
+    prompts = ["3 0 2", "1 2 3 0", "0 0", "2"]
+    spec = r.generate(prompts, rc, mode="eval")
+    assert r.last_metrics["drafted"] > 0
+    plain = r.plain_text(prompts, rc)
+    assert r.last_metrics["drafted"] == 0 and r.last_metrics["steps"] > 0  # the plain decoder
+    assert plain == spec.text and all(len(t.split()) == 6 for t in plain)
+    r.generate(prompts, rc, mode="eval")
+    assert r.last_metrics["drafted"] > 0  # the engine is back
