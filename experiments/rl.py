@@ -6,8 +6,9 @@ verification); the learner trains :class:`specjax.rl.TunixPolicy` (the specjax t
 its weights). The reward is :mod:`specjax.rl.task`'s math correctness (+ optional format bonus).
 Configs and commands: ``experiments/configs/rl_grpo.py``. Besides ``rollout.jsonl`` (one line of
 rollout metrics per rollout), every reward function appends one line per training step to
-``rewards.jsonl``; with ``config.rl.speed_repeats`` > 0 the results also hold
-:func:`rollout_speed` of the final policy.
+``rewards.jsonl``; ``results.json`` holds the held-out evaluations, the reward trend and the
+training rollouts' pooled exactness monitor (:func:`rollout_exactness`); with
+``config.rl.speed_repeats`` > 0 also :func:`rollout_speed` of the final policy.
 """
 from __future__ import annotations
 
@@ -203,10 +204,21 @@ def run(config, workdir: str) -> dict:
             results["rollout_speed"] = rollout_speed(rollout, prompts, rollout_config,
                                                      r.speed_repeats)
     results["reward_trend"] = reward_trend(os.path.join(workdir, "rewards.jsonl"))
+    results["exactness"] = rollout_exactness(os.path.join(workdir, "rollout.jsonl"))
     with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     cluster.close()
     return results
+
+
+def rollout_exactness(path: str) -> dict | None:
+    """The exactness monitor of every training rollout in ``rollout.jsonl`` (resumed runs
+    included), pooled: :func:`specjax.rl.study_stats.pooled_exactness_gap` (mean of
+    ``log p + H`` per token, 0 for exact samples of the policy; a verdict from 30 rollouts on)."""
+    from specjax.rl.study_stats import pooled_exactness_gap
+    with open(path) as f:
+        lines = [json.loads(x) for x in f if x.strip()]
+    return pooled_exactness_gap([m.get("exactness_gap") for m in lines if m["mode"] == "train"])
 
 
 def reward_trend(path: str) -> dict:

@@ -14,7 +14,8 @@ import json
 import numpy as np
 
 from specjax.evaluation import to_jsonable
-from specjax.rl.study_stats import decompose_delta_alpha, mean_se, ols_slope, seed_mean_se
+from specjax.rl.study_stats import (decompose_delta_alpha, mean_se, ols_slope,
+                                    pooled_exactness_gap, seed_mean_se)
 from specjax.rl.task import paired_gain
 
 # held-out accuracy measures: (name in the summary, per-problem key in the run records)
@@ -191,30 +192,13 @@ def _online_minus_frozen_windows(by_arm, name):
     return out
 
 
-# two-sided normal quantile at the 1e-6 level (the project's threshold for exactness tests)
-Z_1E6 = 4.891638
-# steps below which a z from their spread is not compared with a normal quantile (Student's t
-# with 29 degrees of freedom puts about 1e-4, not 1e-6, beyond 4.89)
-MIN_STEPS_FOR_VERDICT = 30
-
-
 def _exactness_gap(runs: list[dict]) -> dict | None:
-    """An arm's training rollouts checked for exactness, in nats per token: the mean over its
-    steps (every seed) of each rollout's mean ``log p(x_t) + H_t``
-    (:func:`specjax.rl.scoring.exactness_gap`), 0 in expectation for exact samples of the
-    policy whatever it is. Each step's value has mean 0 given everything before it, so the
-    steps are uncorrelated and the s.e. is their spread over sqrt(steps). ``holds``: ``|z|``
-    below the two-sided 1e-6 normal quantile; None below :data:`MIN_STEPS_FOR_VERDICT` steps,
-    where a spread of a few values makes ``z`` far heavier-tailed than a normal. The whole
-    result is None when the records carry no log-probs."""
-    v = [r["logp"] + r["entropy"] for run in runs for r in run["records"]
-         if r.get("logp") is not None and r.get("entropy") is not None]
-    if len(v) < 2:
-        return None
-    m, se = mean_se(v)
-    z = m / se if se > 0 else float("nan")
-    holds = bool(abs(z) < Z_1E6) if len(v) >= MIN_STEPS_FOR_VERDICT else None
-    return {"gap_nats": [m, se], "z": z, "steps": len(v), "holds": holds}
+    """An arm's training rollouts checked for exactness: each step's mean ``log p(x_t) + H_t``
+    (its records' ``logp + entropy``, the same tokens), pooled over the arm's steps and seeds by
+    :func:`~specjax.rl.study_stats.pooled_exactness_gap`. None when the records carry no
+    log-probs."""
+    return pooled_exactness_gap([r["logp"] + r["entropy"] for run in runs for r in run["records"]
+                                 if r.get("logp") is not None and r.get("entropy") is not None])
 
 
 def _greedy_same_as_plain(runs: list[dict]) -> dict | None:

@@ -3,6 +3,7 @@ on the test session's 8 fake CPU devices, then a resume from its Orbax checkpoin
 import json
 import os
 
+import numpy as np
 import pytest
 
 pytest.importorskip("tunix")
@@ -58,6 +59,11 @@ def test_tiny_grpo_runs_resumes_and_serves_fresh_weights(tmp_path):
         means = [x["mean"] for x in rewards if x["reward"] == name]
         assert trend[name] == {"steps": 3, "first_quarter": pytest.approx(means[0]),
                                "last_quarter": pytest.approx(means[-1])}, name
+    # the training rollouts' exactness monitor, pooled over the three (too few for a verdict)
+    gaps = [m["exactness_gap"] for m in _lines(tmp_path / "rollout.jsonl") if m["mode"] == "train"]
+    ex = res2["exactness"]
+    assert ex["steps"] == 3 and ex["holds"] is None
+    assert ex["gap_nats"] == pytest.approx([np.mean(gaps), np.std(gaps, ddof=1) / np.sqrt(3)])
 
 
 def test_digit_reward_and_unknown_reward_kind(tmp_path):

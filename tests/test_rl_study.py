@@ -294,7 +294,8 @@ def test_exactness_claim_by_hand_and_on_a_biased_arm():
     An exact arm wobbles around 0; a biased one sits 0.02 nats above it."""
     from scipy import stats as sps
 
-    from experiments.rl_study_report import Z_1E6, summarize
+    from experiments.rl_study_report import summarize
+    from specjax.rl.study_stats import Z_1E6
     assert Z_1E6 == pytest.approx(sps.norm.isf(0.5e-6), rel=1e-6)
     wobble = 0.01 * np.tile([1.0, -1.0, 2.0, -2.0, 0.5, -0.5], 3)  # 18 steps a seed
     arms = []
@@ -317,6 +318,11 @@ def test_exactness_claim_by_hand_and_on_a_biased_arm():
     few = summarize({"mode": "test", "gamma": 2}, [], [dict(arms[1], records=arms[1]["records"][
         :6])])["claims"]["rollouts_exact_samples_of_the_policy"]["biased"]
     assert few["steps"] == 6 and few["holds"] is None
+    from specjax.rl.study_stats import pooled_exactness_gap
+    assert pooled_exactness_gap([None, 0.1, None]) is None  # one value: no spread
+    # a token the policy cannot produce (-inf) fails the check outright
+    bad = pooled_exactness_gap([float("-inf")] + [0.0] * 40)
+    assert bad["z"] == float("-inf") and bad["holds"] is False
 
 
 def test_paired_gain_by_hand():

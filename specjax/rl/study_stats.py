@@ -11,7 +11,14 @@ import numpy as np
 
 from specjax.stats import clustered_ratio  # noqa: F401  (re-exported: the study's s.e.)
 
-__all__ = ["clustered_ratio", "ols_slope", "decompose_delta_alpha", "mean_se", "seed_mean_se"]
+__all__ = ["clustered_ratio", "ols_slope", "decompose_delta_alpha", "mean_se", "seed_mean_se",
+           "pooled_exactness_gap", "Z_1E6", "MIN_STEPS_FOR_VERDICT"]
+
+# two-sided normal quantile at the 1e-6 level (the project's threshold for exactness tests)
+Z_1E6 = 4.891638
+# steps below which a z from their spread is not compared with a normal quantile (Student's t
+# with 29 degrees of freedom puts about 1e-4, not 1e-6, beyond 4.89)
+MIN_STEPS_FOR_VERDICT = 30
 
 
 def mean_se(values) -> tuple[float, float]:
@@ -82,3 +89,30 @@ def decompose_delta_alpha(alpha, entropy, slope: float) -> dict:
     total = a - a[0]
     ent = slope * (h - h[0]) if np.isfinite(slope) else np.zeros_like(h)
     return {"total": total.tolist(), "entropy": ent.tolist(), "mismatch": (total - ent).tolist()}
+
+
+def pooled_exactness_gap(gaps) -> dict | None:
+    """The exactness monitor of a run's rollouts, pooled (nats per token).
+
+    Args:
+      gaps: ``[S]`` each rollout's ``exactness_gap`` (the mean of ``log p(x_t) + H_t`` over its
+        tokens, :func:`specjax.rl.scoring.exactness_gap`), one per RL step; None entries (a
+        rollout without tokens) are left out.
+    Returns:
+      ``{"gap_nats": [mean, s.e.], "z", "steps", "holds"}``, or None below two values. Each
+      step's value has mean 0 given everything before it when the rollouts are exact samples of
+      the policy, so the steps are uncorrelated and the s.e. is their spread over
+      ``sqrt(steps)``. ``holds``: ``|z|`` below :data:`Z_1E6`; None below
+      :data:`MIN_STEPS_FOR_VERDICT` steps, where a spread of a few values makes ``z`` far
+      heavier-tailed than a normal. A gap of ``-inf`` (a token the policy cannot produce) gives
+      ``holds`` False.
+    """
+    v = [float(g) for g in gaps if g is not None]
+    if len(v) < 2:
+        return None
+    m, se = mean_se(v)
+    z = m / se if se > 0 else float("nan")
+    if np.isneginf(m):
+        z = float("-inf")
+    holds = bool(abs(z) < Z_1E6) if len(v) >= MIN_STEPS_FOR_VERDICT else None
+    return {"gap_nats": [m, se], "z": z, "steps": len(v), "holds": holds}
