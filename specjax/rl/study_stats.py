@@ -104,15 +104,16 @@ def pooled_exactness_gap(gaps) -> dict | None:
       the policy, so the steps are uncorrelated and the s.e. is their spread over
       ``sqrt(steps)``. ``holds``: ``|z|`` below :data:`Z_1E6`; None below
       :data:`MIN_STEPS_FOR_VERDICT` steps, where a spread of a few values makes ``z`` far
-      heavier-tailed than a normal. A gap of ``-inf`` (a token the policy cannot produce) gives
-      ``holds`` False.
+      heavier-tailed than a normal. A non-finite gap (``-inf``: a token the policy cannot
+      produce) gives ``holds`` False, whatever the number of steps.
     """
     v = [float(g) for g in gaps if g is not None]
     if len(v) < 2:
         return None
+    if not np.all(np.isfinite(v)):  # no spread to speak of: a loud verdict, not a warning
+        m = float("-inf") if np.any(np.isneginf(v)) else float("nan")
+        return {"gap_nats": [m, float("nan")], "z": m, "steps": len(v), "holds": False}
     m, se = mean_se(v)
     z = m / se if se > 0 else float("nan")
-    if np.isneginf(m):
-        z = float("-inf")
     holds = bool(abs(z) < Z_1E6) if len(v) >= MIN_STEPS_FOR_VERDICT else None
     return {"gap_nats": [m, se], "z": z, "steps": len(v), "holds": holds}
