@@ -170,6 +170,11 @@ def test_04_rl_grpo(tmp_path, tmp_path_factory):
         assert emitted <= s["steps"] + s["accepted"] <= emitted + g * batch, s
         assert set(s["reward"]) == {"correct", "fmt"}, s
         assert all(r["n"] == batch and 0 <= r["mean"] <= 1 for r in s["reward"].values()), s
+        # the exactness monitor's panel: a finite gap (no impossible token) with a spread
+        assert math.isfinite(s["exactness_gap"]) and s["exactness_gap_se"] > 0, s
+    ex = res["results"]["exactness"]  # pooled over the two steps: too few for a verdict
+    assert ex["steps"] == 2 and ex["holds"] is None
+    assert math.isclose(ex["gap_nats"][0], sum(s["exactness_gap"] for s in steps) / 2)
     speed = res["results"]["rollout_speed"]
     assert speed["sequences"] == batch and speed["max_new_tokens"] == new
     for name in ("speculative", "plain"):
