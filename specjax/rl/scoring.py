@@ -115,6 +115,10 @@ def exactness_gap(logp, entropy) -> tuple[float, float]:
     stopping). A sampler that departs from the policy, say a verifier that leans toward its
     drafter's guesses, moves the mean away from 0: its ``|gap| / s.e.`` grows as the square root
     of the tokens seen. A token the policy gives probability 0 makes the gap ``-inf``.
+    Its power is partial: drawing from ``q`` instead of ``p`` shifts the mean by
+    ``H(p) − H(q) − KL(q‖p)`` per token, which is 0 for some ``q ≠ p``. The chi-square tests
+    against enumerated sequence distributions are the complete check; this one runs on real
+    rollouts, at any scale.
     The mean is per token; the s.e. takes each sequence as a cluster (its tokens share a prefix).
 
     Args:
