@@ -204,14 +204,15 @@ def _exactness_gap(runs: list[dict]) -> dict | None:
 def _greedy_same_as_plain(runs: list[dict]) -> dict | None:
     """The final greedy evaluation through the arm's speculative engine against the plain
     decoder (``run_arm`` repeats it): per seed the problems whose completions are the same text
-    and the two accuracies. ``holds``: the same text on every problem of every seed. None for
-    runs without the repeat (the no-speculation arm, runs recorded before it existed)."""
+    and the two accuracies. ``holds``: the same text on every problem of every seed checked.
+    Runs without the repeat (the no-speculation arm, runs recorded before it existed) are left
+    out; None when no run has it."""
     per_seed = []
     for r in runs:
         end = r.get("heldout_end", {})
         same, plain = end.get("greedy_text_same_as_plain"), end.get("greedy_plain_correct")
         if same is None or plain is None:
-            return None
+            continue
         per_seed.append({"seed": r["seed"], "same_text": int(np.sum(same)), "problems": len(same),
                          "accuracy_engine": r["heldout_accuracy_end"],
                          "accuracy_plain": float(np.mean(plain))})

@@ -325,6 +325,24 @@ def test_exactness_claim_by_hand_and_on_a_biased_arm():
     assert bad["z"] == float("-inf") and bad["holds"] is False
 
 
+def test_greedy_same_as_plain_claim():
+    """Per seed: problems whose final greedy text is the same through both decoders, and both
+    accuracies; runs recorded without the repeat are left out."""
+    from experiments.rl_study_report import _greedy_same_as_plain
+    old = {"seed": 0, "heldout_accuracy_end": 0.5, "heldout_end": {}}
+    same = {"seed": 1, "heldout_accuracy_end": 0.5, "heldout_end": {
+        "greedy_text_same_as_plain": [1, 1, 1, 1], "greedy_plain_correct": [1, 0, 1, 0]}}
+    assert _greedy_same_as_plain([old]) is None
+    g = _greedy_same_as_plain([old, same])
+    assert g == {"per_seed": [{"seed": 1, "same_text": 4, "problems": 4,
+                               "accuracy_engine": 0.5, "accuracy_plain": 0.5}], "holds": True}
+    differ = {"seed": 2, "heldout_accuracy_end": 0.25, "heldout_end": {
+        "greedy_text_same_as_plain": [1, 0, 1, 1], "greedy_plain_correct": [1, 1, 0, 0]}}
+    g = _greedy_same_as_plain([same, differ])
+    assert g["per_seed"][1]["same_text"] == 3 and g["per_seed"][1]["accuracy_plain"] == 0.5
+    assert not g["holds"]
+
+
 def test_paired_gain_by_hand():
     from experiments.rl_study_gains import paired_gain
     from specjax.stats import clustered_ratio
