@@ -419,3 +419,50 @@ def test_quoted_rl_t06_four_seed_numbers_match_the_committed_results():
     start = {a: arms[a]["mean"]["heldout_accuracy"][0] for a in order}
     assert set(start.values()) == {0.115}  # 23 of 200 (per problem: each arm's arm.json)
     assert arms["no_spec"]["greedy_gain"]["per_seed"][3][0] == 0.0
+
+
+def test_quoted_rl_t06_five_seed_numbers_match_the_committed_results():
+    """docs/RL.md's "A fifth seed, and two checks of exactness" (table, bullets) and the five-seed
+    numbers of its summary table; the 4-seed column is checked by the four-seed test above."""
+    import numpy as np
+    study = json.load(open(os.path.join(RL, "study_math_stage_p16_100_t06_5seeds.json")))
+    arms, claims = study["arms"], study["claims"]
+    ce, tv = "rs_e2e_tv_online_ce", "rs_e2e_tv_online_tv"
+    order = ("no_spec", "rs_e2e_tv", ce, tv)
+    assert all(arms[a]["seeds"] == [0, 1, 2, 3, 4] for a in order)
+    assert [_points(arms[a]["greedy_gain"]["combined"]) for a in order] == [
+        (1.3, 1.0), (1.7, 1.0), (-0.1, 1.0), (-0.7, 0.9)]
+    vs = claims["gain_minus_no_spec_points"]
+    assert {(a, m): [round(x, 1) for x in vs[a][m]["diff"]] for a in order[1:]
+            for m in ("greedy", "sampled")} == {
+        ("rs_e2e_tv", "greedy"): [0.4, 0.8], ("rs_e2e_tv", "sampled"): [1.3, 0.8],
+        (ce, "greedy"): [-1.4, 1.3], (ce, "sampled"): [0.8, 0.8],
+        (tv, "greedy"): [-2.0, 0.9], (tv, "sampled"): [0.4, 0.9]}
+    assert not vs[tv]["greedy"]["holds"] and round(-vs[tv]["greedy"]["diff"][0] /
+                                                   vs[tv]["greedy"]["diff"][1], 1) == 2.1
+    w = claims["online_update_acceptance_minus_frozen_points"]
+    assert {(a, k): [round(x, 1) for x in w[a][k]["mean"]] for a in (ce, tv) for k in w[a]} == {
+        (tv, "run"): [1.0, 0.2], (tv, "last_fifth"): [1.7, 0.1],
+        (ce, "run"): [-0.4, 0.2], (ce, "last_fifth"): [0.2, 0.3]}
+    drift = claims["rs_e2e_tv_acceptance_within_2_points"]
+    assert [round(x, 1) for x in drift["trend_drift_points"]] == [-0.8, 0.2]
+    # seed 4's greedy gains, and online minus frozen per seed
+    assert [round(100 * arms[a]["greedy_gain"]["per_seed"][4][0], 1) for a in order] == [
+        -1.0, 0.0, 1.0, -1.5]
+    frozen = arms["rs_e2e_tv"]["greedy_gain"]["per_seed"]
+    assert [round(100 * (g[0] - f[0]), 1) for g, f in
+            zip(arms[tv]["greedy_gain"]["per_seed"], frozen)] == [-3.5, -3.5, -1.0, -2.5, -1.5]
+    assert [round(float(np.mean(arms[a]["mean"]["reward"])), 3) for a in order] == [
+        0.097, 0.099, 0.096, 0.098]
+    # the exactness monitor: every arm within 0.6 s.e. of 0 over its 500 steps
+    ex = claims["rollouts_exact_samples_of_the_policy"]
+    assert {a: [round(x, 5) for x in ex[a]["gap_nats"]] for a in order} == {
+        "no_spec": [0.00013, 0.00024], "rs_e2e_tv": [0.00007, 0.00025],
+        ce: [-0.00004, 0.00024], tv: [0.00005, 0.00023]}
+    assert all(ex[a]["holds"] and ex[a]["steps"] == 500 and abs(ex[a]["z"]) < 0.6 for a in order)
+    # the greedy evaluation through the plain decoder: seed 4, the same text on all 200 problems
+    same = claims["greedy_evaluation_same_as_plain_decoder"]
+    assert set(same) == {"rs_e2e_tv", ce, tv}
+    for g in same.values():
+        assert g["holds"] and [(x["seed"], x["same_text"], x["problems"]) for x in
+                               g["per_seed"]] == [(4, 200, 200)]
