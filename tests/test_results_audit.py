@@ -373,6 +373,17 @@ def test_quoted_spec_vs_plain_summary_matches_the_committed_results():
     assert (round(min(none), 2), round(max(none), 2)) == (0.85, 1.00)
 
 
+def _vs_no_spec_and_windows(claims, arms):
+    """The RL study's paired numbers, rounded to the docs' points: ``(gain minus no_spec per
+    (arm, metric) as [diff, se], online minus frozen acceptance per (arm, window) as [mean, se])``
+    for the speculative ``arms`` (the windows for those of them with an online head)."""
+    vs = claims["gain_minus_no_spec_points"]
+    w = claims["online_update_acceptance_minus_frozen_points"]
+    return ({(a, m): [round(x, 1) for x in vs[a][m]["diff"]] for a in arms
+             for m in ("greedy", "sampled")},
+            {(a, k): [round(x, 1) for x in w[a][k]["mean"]] for a in arms if a in w for k in w[a]})
+
+
 def test_quoted_rl_t06_four_seed_numbers_match_the_committed_results():
     """docs/RL.md's "A fourth seed, all four arms" table and bullets; the 3-seed column is checked
     by the two T = 0.6 tests above."""
@@ -388,8 +399,8 @@ def test_quoted_rl_t06_four_seed_numbers_match_the_committed_results():
     assert [_points(arms[a]["sampled_gain"]["combined"]) for a in order] == [
         (0.4, 0.7), (1.3, 0.7), (0.8, 0.7), (0.1, 0.7)]
     vs = claims["gain_minus_no_spec_points"]
-    assert {(a, m): [round(x, 1) for x in vs[a][m]["diff"]] for a in order[1:]
-            for m in ("greedy", "sampled")} == {
+    diffs, windows = _vs_no_spec_and_windows(claims, order[1:])
+    assert diffs == {
         ("rs_e2e_tv", "greedy"): [0.2, 1.0], ("rs_e2e_tv", "sampled"): [0.8, 0.9],
         (ce, "greedy"): [-2.3, 1.3], (ce, "sampled"): [0.4, 0.9],
         (tv, "greedy"): [-2.4, 1.1], (tv, "sampled"): [-0.3, 0.9]}
@@ -399,7 +410,7 @@ def test_quoted_rl_t06_four_seed_numbers_match_the_committed_results():
     assert not vs[tv]["greedy"]["holds"] and round(-vs[tv]["greedy"]["diff"][0] /
                                                    vs[tv]["greedy"]["diff"][1], 1) == 2.2
     w = claims["online_update_acceptance_minus_frozen_points"]
-    assert {(a, k): [round(x, 1) for x in w[a][k]["mean"]] for a in (ce, tv) for k in w[a]} == {
+    assert windows == {
         (tv, "run"): [0.9, 0.2], (tv, "last_fifth"): [1.6, 0.1],
         (ce, "run"): [-0.6, 0.2], (ce, "last_fifth"): [0.0, 0.3]}
     assert [round(w[tv][k]["per_seed"][3][0], 1) for k in ("run", "last_fifth")] == [0.5, 1.3]
@@ -433,15 +444,14 @@ def test_quoted_rl_t06_five_seed_numbers_match_the_committed_results():
     assert [_points(arms[a]["greedy_gain"]["combined"]) for a in order] == [
         (1.3, 1.0), (1.7, 1.0), (-0.1, 1.0), (-0.7, 0.9)]
     vs = claims["gain_minus_no_spec_points"]
-    assert {(a, m): [round(x, 1) for x in vs[a][m]["diff"]] for a in order[1:]
-            for m in ("greedy", "sampled")} == {
+    diffs, windows = _vs_no_spec_and_windows(claims, order[1:])
+    assert diffs == {
         ("rs_e2e_tv", "greedy"): [0.4, 0.8], ("rs_e2e_tv", "sampled"): [1.3, 0.8],
         (ce, "greedy"): [-1.4, 1.3], (ce, "sampled"): [0.8, 0.8],
         (tv, "greedy"): [-2.0, 0.9], (tv, "sampled"): [0.4, 0.9]}
     assert not vs[tv]["greedy"]["holds"] and round(-vs[tv]["greedy"]["diff"][0] /
                                                    vs[tv]["greedy"]["diff"][1], 1) == 2.1
-    w = claims["online_update_acceptance_minus_frozen_points"]
-    assert {(a, k): [round(x, 1) for x in w[a][k]["mean"]] for a in (ce, tv) for k in w[a]} == {
+    assert windows == {
         (tv, "run"): [1.0, 0.2], (tv, "last_fifth"): [1.7, 0.1],
         (ce, "run"): [-0.4, 0.2], (ce, "last_fifth"): [0.2, 0.3]}
     drift = claims["rs_e2e_tv_acceptance_within_2_points"]

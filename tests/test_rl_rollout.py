@@ -33,36 +33,18 @@ from specjax.rl.acceptance import position_acceptance  # noqa: E402
 from specjax.sampling import logits_to_probs  # noqa: E402
 from specjax.scheduling import SchedulerConfig  # noqa: E402
 from _shared_once import count_compiles  # noqa: E402
+from id_tokenizer import EOS, PAD, IdTokenizer  # noqa: E402
 from stats import chisquare_gof  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("rl")
 
 V = 6
-PAD, EOS = 5, 4  # ids of the toy tokenizer (completions never stop early: eos_tokens=[99])
+# most rollouts never stop early (eos_tokens=[99]); EOS and PAD are the toy tokenizer's ids
 CFG = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8)
 PROMPT = (3, 0, 2)
 NEW = 3
 GAMMA = 2
-
-
-class IdTokenizer:
-    """Token ids written as space-separated integers."""
-
-    def encode(self, text):
-        return [int(t) for t in text.split()]
-
-    def decode(self, ids):
-        return " ".join(str(int(i)) for i in ids)
-
-    def bos_id(self):
-        return None
-
-    def eos_id(self):
-        return EOS
-
-    def pad_id(self):
-        return PAD
 
 
 def _model(seed, scale):

@@ -585,27 +585,12 @@ def test_study_rollout_plain_text_is_the_plain_decoder_then_speculation_again():
     from tunix.rl.rollout.base_rollout import RolloutConfig
 
     from experiments.rl_study_arms import StudyRollout
+    from id_tokenizer import IdTokenizer
     from specjax.drafters import MTPConfig, MTPDrafter
     from specjax.engine import EngineConfig
     from specjax.models import ModelConfig, init_model
     from specjax.rl import TunixPolicy
     from specjax.scheduling import SchedulerConfig
-
-    class Ids:  # token ids written as space-separated integers
-        def encode(self, text):
-            return [int(t) for t in text.split()]
-
-        def decode(self, ids):
-            return " ".join(str(int(i)) for i in ids)
-
-        def bos_id(self):
-            return None
-
-        def eos_id(self):
-            return 4
-
-        def pad_id(self):
-            return 5
 
     cfg = ModelConfig(vocab_size=6, hidden_size=32, intermediate_size=64, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=8)
@@ -616,7 +601,7 @@ def test_study_rollout_plain_text_is_the_plain_decoder_then_speculation_again():
                       scheduler=SchedulerConfig("fixed", k=2), overlap=False, filters=False)
     rc = RolloutConfig(max_tokens_to_generate=6, max_prompt_length=4, temperature=0.0,
                        eos_tokens=[99])
-    r = StudyRollout(rollout_actor=TunixPolicy(model), tokenizer=Ids(), rollout_config=rc,
+    r = StudyRollout(rollout_actor=TunixPolicy(model), tokenizer=IdTokenizer(), rollout_config=rc,
                      drafter=d, drafter_params=p, engine_config=ec)
     prompts = ["3 0 2", "1 2 3 0", "0 0", "2"]
     spec = r.generate(prompts, rc, mode="eval")
