@@ -61,7 +61,8 @@ import contextlib
 import json
 import os
 
-from specjax import aot, losses
+from specjax import aot
+from specjax.losses import tv as tv_losses
 from specjax.models import get_preset, partitioning
 
 TOPOLOGIES = (("v5e:2x2", 4), ("v5e:4x4", 16))
@@ -74,22 +75,22 @@ CHUNK_ROWS = (("tiny", "v5e:2x2", 4, 151936), ("tiny", "v5e:8x8", 64, 151936),
 @contextlib.contextmanager
 def old_row_chunk():
     """The TV / DSpark loss's default row chunk as it was before the fix: sized by the vocabulary
-    alone (``shards = 1``), whatever the mesh (``specjax.losses._rows_per_chunk``)."""
-    rule = losses._rows_per_chunk
-    losses._rows_per_chunk = lambda n_rows, vocab, chunk_size, shards=1: rule(
+    alone (``shards = 1``), whatever the mesh (``specjax.losses.tv._rows_per_chunk``)."""
+    rule = tv_losses._rows_per_chunk
+    tv_losses._rows_per_chunk = lambda n_rows, vocab, chunk_size, shards=1: rule(
         n_rows, vocab, chunk_size, 1)
     try:
         yield
     finally:
-        losses._rows_per_chunk = rule
+        tv_losses._rows_per_chunk = rule
 
 
 @contextlib.contextmanager
 def forced_row_chunk(rows: int):
     """The TV / DSpark loss's row chunk fixed at ``rows`` (a divisor of the loss's rows),
-    whatever the vocabulary and the mesh (``specjax.losses._rows_per_chunk``). Yields a list that
+    whatever the vocabulary and the mesh (``specjax.losses.tv._rows_per_chunk``). Yields a list that
     collects the row count of each chunked loss traced inside."""
-    rule = losses._rows_per_chunk
+    rule = tv_losses._rows_per_chunk
     seen = []
 
     def fixed(n_rows, vocab, chunk_size, shards=1):
@@ -97,11 +98,11 @@ def forced_row_chunk(rows: int):
             raise ValueError(f"a {rows}-row chunk does not divide the loss's {n_rows} rows")
         seen.append(n_rows)
         return rows
-    losses._rows_per_chunk = fixed
+    tv_losses._rows_per_chunk = fixed
     try:
         yield seen
     finally:
-        losses._rows_per_chunk = rule
+        tv_losses._rows_per_chunk = rule
 
 
 def pod_mtp_config(target: str, topology: str, chips: int, seq: int = 512):
@@ -217,8 +218,8 @@ def rounding_study(topology: str = "v5e:2x4", chips: int = 8, anchors: int = 200
     config.lock()
     vocab = get_preset("qwen3-0.6b").vocab_size
     n = chips * anchors * config.task.gamma  # loss rows: one per anchor and drafted position
-    default = losses._rows_per_chunk(n, vocab, None, chips)
-    budget = chips * (losses.DEFAULT_CHUNK_ELEMENTS // vocab)
+    default = tv_losses._rows_per_chunk(n, vocab, None, chips)
+    budget = chips * (tv_losses.DEFAULT_CHUNK_ELEMENTS // vocab)
     tiled = next(k for k in range(budget - budget % (8 * chips), 0, -8 * chips) if n % k == 0)
     rows = []
     for name, chunk in (("default", default), ("tiled", tiled)):

@@ -40,7 +40,9 @@ TARGET_SOURCES = DATA_SOURCES + (
 #: A trained drafter (the quickstart's MTP head): its target's code (above), the drafters, the
 #: losses and the drafter task that trains them.
 DRAFTER_SOURCES = TARGET_SOURCES + (
-    "losses.py", "sampling.py", "drafters/__init__.py", "drafters/base.py", "drafters/blocks.py",
+    "losses/__init__.py", "losses/_common.py", "losses/divergences.py", "losses/dspark.py",
+    "losses/e2e_tv.py", "losses/tv.py", "sampling.py",
+    "drafters/__init__.py", "drafters/base.py", "drafters/blocks.py",
     "drafters/draft_lm.py", "drafters/dspark.py", "drafters/mtp.py", "drafters/ngram.py",
     "training/drafter_data.py", "training/drafter_run.py", "training/drafter_task.py",
 )

@@ -162,7 +162,7 @@ def test_fsdp_keeps_the_batch_split_as_chips_grow(tmp_path):
       batch sharding; at the Qwen3 vocabulary the default chunk was 48 rows, which 64 chips cannot
       split, so part of the logits was replicated on every chip (Qwen3-0.6B + MTP: 4.0 GiB of
       temporaries per chip on 8 chips, 15.1 GiB on 128). The chunk is now a multiple of the batch
-      shards (``specjax.losses._rows_per_chunk``).
+      shards (``specjax.losses.tv._rows_per_chunk``).
 
     Every position is an anchor: the target's full ``[B, T, V]`` logits, its embedding and the
     drafter's shared head are all on the path. The 4-chip row comes from ``python -m

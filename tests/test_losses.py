@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from specjax import losses as L
+from specjax.losses import tv as tv_losses
 
 FLOOR = L.DEFAULT_LOG_P_FLOOR
 
@@ -191,7 +192,7 @@ def test_tv_chunking_does_not_change_values_or_vmap():
     vm = jax.jit(jax.vmap(lambda a, b: L.tv_loss(a, b, chunk_size=2)))(
         z.reshape(3, 4, 33), p.reshape(3, 4, 33))
     np.testing.assert_allclose(vm, vals[0].reshape(3, 4), rtol=1e-6, atol=1e-7)
-    assert L._rows_per_chunk(12, 33, 5) == 4 and L._rows_per_chunk(13, 33, 5) == 1
+    assert tv_losses._rows_per_chunk(12, 33, 5) == 4 and tv_losses._rows_per_chunk(13, 33, 5) == 1
 
 
 def test_default_tv_chunk_splits_over_the_batch_shards():
@@ -203,13 +204,13 @@ def test_default_tv_chunk_splits_over_the_batch_shards():
     v = 151936
     per_device = L.DEFAULT_CHUNK_ELEMENTS // v  # 55 rows at the Qwen3 vocabulary
     n = 64 * 256 * 3  # one row of 256 anchors x γ = 3 per chip on 64 chips
-    assert L._rows_per_chunk(n, v, None) == 48  # the largest divisor of n up to 55
+    assert tv_losses._rows_per_chunk(n, v, None) == 48  # the largest divisor of n up to 55
     for shards in (2, 8, 64, 256):
-        rows = L._rows_per_chunk(n, v, None, shards)
+        rows = tv_losses._rows_per_chunk(n, v, None, shards)
         assert n % rows == 0 and rows % shards == 0, shards
         assert shards * per_device // 2 < rows <= shards * per_device, shards
-    assert L._rows_per_chunk(n, v, 5, 64) == 4  # an explicit chunk is taken as given
-    assert L._rows_per_chunk(n + 1, v, None, 64) == L._rows_per_chunk(n + 1, v, None)
+    assert tv_losses._rows_per_chunk(n, v, 5, 64) == 4  # an explicit chunk is taken as given
+    assert tv_losses._rows_per_chunk(n + 1, v, None, 64) == tv_losses._rows_per_chunk(n + 1, v, None)
     explicit = (AxisType.Explicit,) * 3
     with jax.sharding.use_abstract_mesh(AbstractMesh((2, 32, 4), ("data", "fsdp", "tensor"),
                                                      axis_types=explicit)):
@@ -221,16 +222,16 @@ def test_default_tv_chunk_splits_over_the_batch_shards():
     # vocabulary-only rule inside it, the current rule again after it
     from experiments.fsdp_scaling import old_row_chunk
     with old_row_chunk():
-        assert L._rows_per_chunk(n, v, None, 64) == 48
-    assert L._rows_per_chunk(n, v, None, 64) % 64 == 0
+        assert tv_losses._rows_per_chunk(n, v, None, 64) == 48
+    assert tv_losses._rows_per_chunk(n, v, None, 64) % 64 == 0
     # --study tiling forces a chunk, records the rows it was asked to split, refuses a non-divisor
     from experiments.fsdp_scaling import forced_row_chunk
     with forced_row_chunk(96) as seen:
-        assert L._rows_per_chunk(n, v, None, 64) == 96 == L._rows_per_chunk(n, v, 5)
+        assert tv_losses._rows_per_chunk(n, v, None, 64) == 96 == tv_losses._rows_per_chunk(n, v, 5)
         with pytest.raises(ValueError, match="does not divide"):
-            L._rows_per_chunk(n + 1, v, None)
+            tv_losses._rows_per_chunk(n + 1, v, None)
     assert seen == [n, n]
-    assert L._rows_per_chunk(n, v, None, 64) % 64 == 0
+    assert tv_losses._rows_per_chunk(n, v, None, 64) % 64 == 0
 
 
 def test_tv_bf16_logits():

@@ -67,6 +67,7 @@ import numpy as np
 from flax import nnx
 
 from specjax import losses as L
+from specjax.losses.dspark import _sigmoid_bce
 from specjax.drafters import (DraftLMDrafter, DSparkConfig, DSparkDrafter, MTPConfig, MTPDrafter,
                               shared_head, teacher_forced_targets)
 from specjax.drafters.dspark import DSparkModule
@@ -494,7 +495,7 @@ class DrafterTask:
         acc, block_valid = block_acceptance(tv, mask)
         out["accept_rate"] = acc.sum() / jnp.maximum(block_valid.sum(), 1.)
         if conf is not None:
-            bce = L._sigmoid_bce(jax.lax.stop_gradient(conf), 1.0 - tv)
+            bce = _sigmoid_bce(jax.lax.stop_gradient(conf), 1.0 - tv)
             out["conf_bce"] = (bce * m).sum() / n
         return out
 
