@@ -2,15 +2,18 @@
 cache and output under a temporary directory: ``experiments.train`` and
 ``experiments.train_drafter`` (the session's tiny runs, ``_tiny_runs.py``),
 ``experiments.reproduce --parts dspark``, ``experiments.offline_eval``, ``specjax.training.bench``
-and each benchmark with ``--quick`` (``benchmarks.spec_vs_plain`` on the tiny runs). Checks are on
+and each benchmark with ``--quick`` (``benchmarks.spec_vs_plain`` on the tiny runs, through
+``benchmarks/device_check.sh`` and the bundle ``benchmarks.device_bundle`` packs). Checks are on
 what the runs wrote, not only their exit codes."""
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from _shared_once import build_once, compile_cache
-from _tiny_runs import hermetic_env, run_module, tiny_runs  # noqa: F401  (session fixture)
+from _tiny_runs import ROOT, hermetic_env, run_module, tiny_runs  # noqa: F401  (session fixture)
 
 from specjax.training import tensorboard as tb
 from specjax.training.metrics import read_metrics
@@ -109,19 +112,36 @@ def test_offline_eval_cli(tiny_runs, repro, tmp_path):
 
 
 @TINY_RUNS
-def test_spec_vs_plain_quick(tiny_runs, tmp_path):
-    out = tmp_path / "spec_vs_plain.json"
-    run_module(tiny_runs.env, "benchmarks.spec_vs_plain", "--quick", "--target", tiny_runs.target,
-               "--drafter", f"dspark={tiny_runs.dspark}", "--out", out, "--md",
-               tmp_path / "table.md", "--png", tmp_path / "speedup.png")
-    r = json.load(open(out))
+def test_device_bundle_then_device_check_quick(tiny_runs, tmp_path):
+    """``benchmarks.device_bundle`` packs the tiny runs (params only), and
+    ``benchmarks/device_check.sh`` runs from that bundle alone: on CPU its Pallas step skips, its
+    step-cost and ``benchmarks.spec_vs_plain --quick`` steps write their results."""
+    bundle, out = tmp_path / "bundle", tmp_path / "out"
+    run_module(tiny_runs.env, "benchmarks.device_bundle", "--target", tiny_runs.target,
+               "--drafter", f"dspark={tiny_runs.dspark}", "--out", bundle, "--no-wheels")
+    summary = json.load(open(bundle / "bundle.json"))
+    assert summary["drafters"]["dspark"]["gamma"] == 3 and summary["target"]["params"] > 0
+    run_size = sum(f.stat().st_size for f in (tiny_runs.target / "checkpoints").rglob("*")
+                   if f.is_file())
+    assert summary["bytes"] < run_size  # no optimizer state
+    env = dict(tiny_runs.env, QUICK="1", PYTHON=sys.executable)
+    proc = subprocess.run(["bash", "benchmarks/device_check.sh", str(out), str(bundle)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    log = (out / "device_check.log").read_text() if (out / "device_check.log").exists() else ""
+    assert proc.returncode == 0, proc.stdout + proc.stderr + log[-3000:]
+    steps = dict(line.split(" ", 1) for line in (out / "steps.txt").read_text().splitlines())
+    assert set(steps) == {"env", "pallas", "step_cost", "spec"}, steps
+    assert all(v.startswith("rc=0 ") for v in steps.values()), (steps, log[-3000:])
+    assert "compiled Pallas kernels need a GPU or TPU" in log and " passed" not in log
+    assert json.load(open(out / "model_step_cost.json"))["presets"][0]["preset"] == "tiny"
+    r = json.load(open(out / "spec_vs_plain.json"))
     (cell,) = r["cells"]
     assert (cell["domain"], cell["batch"], cell["temperature"]) == ("math", 1, 0.0)
     spec = cell["decoders"]["spec:dspark:fixed"]
     assert spec["tokens"] == 16 and 1.0 <= spec["tau"] <= 4.0  # γ = 3
     assert set(cell["decoders"]) == {"generate_host", "generate", "engine_none",
                                      "spec:dspark:fixed"}
-    assert (tmp_path / "table.md").stat().st_size > 0 and (tmp_path / "speedup.png").exists()
+    assert (out / "spec_vs_plain.md").stat().st_size > 0 and (out / "spec_vs_plain.png").exists()
 
 
 @BENCH

@@ -98,6 +98,22 @@ def test_kernel_interpret_large_vocab(backend):
     assert_same(got, V.rejection_sample_with_noise(*args), msg=backend)
 
 
+ACCELERATOR_BACKENDS = {"tpu": ["mosaic_tpu"], "gpu": ["triton", "mosaic_gpu"]}.get(
+    jax.default_backend(), [])
+
+
+@pytest.mark.skipif(not ACCELERATOR_BACKENDS, reason="compiled Pallas kernels need a GPU or TPU "
+                    "(benchmarks/device_check.sh runs this test there)")
+@pytest.mark.filterwarnings("ignore:Using ``pl.pallas_call`` for Mosaic GPU kernels is deprecated")
+@pytest.mark.parametrize("backend", ACCELERATOR_BACKENDS or ["none"])
+def test_kernel_on_accelerator_matches_jnp(backend):
+    """The compiled kernel (not interpret mode) picks the jnp verifier's tokens, bit for bit."""
+    for b, k, vocab in SHAPES + [(8, 4, 151936), (64, 8, 32000)]:
+        args = make_inputs(b * 1000 + vocab + 1, b, k, vocab)
+        got = RS.rejection_sample_pallas(*args, backend=backend)
+        assert_same(got, V.rejection_sample_with_noise(*args), msg=f"{backend} {b, k, vocab}")
+
+
 def test_kernel_stats_match_reference_and_tiles():
     b, k, vocab = 3, 2, 1000
     x, q, p, u, e, nd = make_inputs(11, b, k, vocab)
