@@ -9,6 +9,7 @@ import pytest
 
 from specjax import sampling as S
 from specjax import verify as V
+from specjax import verify_flat as VF
 
 
 def make_batch(seed, b, k, vocab, overlap=0.5, sharp=2.0):
@@ -301,15 +302,15 @@ def test_flat_equals_padded(extra_slots):
     b, k, vocab = 9, 6, 77
     x, q, p, nd = make_batch(30, b, k, vocab, overlap=0.8)
     u, e = make_noise(31, b, k, vocab)
-    pk = V.pack_flat(x, q, p, u, nd, num_draft_slots=int(nd.sum()) + extra_slots,
+    pk = VF.pack_flat(x, q, p, u, nd, num_draft_slots=int(nd.sum()) + extra_slots,
                      num_target_slots=int(nd.sum()) + b + extra_slots)
     padded = V.rejection_sample_with_noise(x, q, p, u, e, nd)
-    flat = V.rejection_sample_flat_with_noise(
+    flat = VF.rejection_sample_flat_with_noise(
         pk["draft_tokens"], pk["draft_probs"], pk["target_probs"], pk["draft_offsets"], pk["target_offsets"],
         pk["num_draft"], pk["uniforms"], e, max_draft=k,
     )
     assert_same(flat, padded)
-    flat_jit = jax.jit(V.rejection_sample_flat_with_noise, static_argnames="max_draft")(
+    flat_jit = jax.jit(VF.rejection_sample_flat_with_noise, static_argnames="max_draft")(
         pk["draft_tokens"], pk["draft_probs"], pk["target_probs"], pk["draft_offsets"], pk["target_offsets"],
         pk["num_draft"], pk["uniforms"], e, max_draft=k,
     )
@@ -317,22 +318,22 @@ def test_flat_equals_padded(extra_slots):
     # keyed forms agree for the same (per-row) keys
     keys = jax.random.split(jax.random.key(32), b)
     assert_same(
-        V.rejection_sample_flat(keys, pk["draft_tokens"], pk["draft_probs"], pk["target_probs"],
+        VF.rejection_sample_flat(keys, pk["draft_tokens"], pk["draft_probs"], pk["target_probs"],
                                 pk["draft_offsets"], pk["target_offsets"], pk["num_draft"], max_draft=k),
         V.rejection_sample(keys, x, q, p, nd),
     )
     # target-only and greedy
     xa = jnp.argmax(q, -1).astype(jnp.int32)
-    pk2 = V.pack_flat(xa, None, p, u, nd)
+    pk2 = VF.pack_flat(xa, None, p, u, nd)
     assert_same(
-        V.target_only_sample_flat_with_noise(pk2["draft_tokens"], pk2["target_probs"], pk2["draft_offsets"],
+        VF.target_only_sample_flat_with_noise(pk2["draft_tokens"], pk2["target_probs"], pk2["draft_offsets"],
                                              pk2["target_offsets"], pk2["num_draft"], pk2["uniforms"], e, max_draft=k),
         V.target_only_sample_with_noise(xa, p, u, e, nd),
     )
     logits = jnp.log(p)
-    pk3 = V.pack_flat(xa, None, logits, u, nd)
+    pk3 = VF.pack_flat(xa, None, logits, u, nd)
     assert_same(
-        V.greedy_verify_flat(pk3["draft_tokens"], pk3["target_probs"], pk3["draft_offsets"], pk3["target_offsets"],
+        VF.greedy_verify_flat(pk3["draft_tokens"], pk3["target_probs"], pk3["draft_offsets"], pk3["target_offsets"],
                              pk3["num_draft"], max_draft=k),
         V.greedy_verify(xa, logits, nd),
     )
@@ -358,12 +359,12 @@ def test_flat_custom_layout_and_segments():
             uf[int(d_off[r]) + j] = float(u[r, j])
         for j in range(int(nd[r]) + 1):
             tp[int(t_off[r]) + j] = np.asarray(p[r, j])
-    flat = V.rejection_sample_flat_with_noise(dt, dp, tp, d_off, t_off, nd, uf, e, max_draft=k)
+    flat = VF.rejection_sample_flat_with_noise(dt, dp, tp, d_off, t_off, nd, uf, e, max_draft=k)
     assert_same(flat, V.rejection_sample_with_noise(x, q, p, u, e, nd))
-    seg, pos = V.flat_segment_ids(t_off, nd + 1, 10)
+    seg, pos = VF.flat_segment_ids(t_off, nd + 1, 10)
     assert seg.tolist() == [0, 0, 0, 1, 2, 2, 2, 2, -1, -1]
     assert pos.tolist() == [0, 1, 2, 0, 0, 1, 2, 3, -1, -1]
-    d, t = V.flat_offsets(jnp.array([2, 0, 3]))
+    d, t = VF.flat_offsets(jnp.array([2, 0, 3]))
     assert d.tolist() == [0, 2, 2] and t.tolist() == [0, 3, 4]
 
 
