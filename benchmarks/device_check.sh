@@ -52,9 +52,11 @@ step() {  # step NAME SECONDS CMD...: run CMD under a time limit, log it, record
 }
 
 step env 60 "$py" -c "
-import json, platform, jax
-print(json.dumps({'jax': jax.__version__, 'backend': jax.default_backend(),
-                  'devices': [d.device_kind for d in jax.devices()], 'python': platform.python_version()}))"
+import importlib.metadata as md, json, platform, jax
+pkgs = {p: md.version(p) for p in ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'chex',
+                                   'ml-collections', 'numpy', 'tokenizers')}
+print(json.dumps({'backend': jax.default_backend(), 'devices': [d.device_kind for d in jax.devices()],
+                  'python': platform.python_version(), 'packages': pkgs}))"
 
 # tests/conftest.py defaults JAX_PLATFORMS to cpu; empty lets jax take the accelerator.
 step pallas 120 env JAX_PLATFORMS= "$py" -m pytest -q -p no:cacheprovider -o addopts= \
