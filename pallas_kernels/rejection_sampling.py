@@ -41,7 +41,9 @@ Backends (``rejection_sample_pallas(..., backend=...)``):
   (a TMA box holds at most 256 elements per dimension), running state in SMEM. TMA needs 16-byte
   aligned row strides, so a vocabulary with ``V % 4 != 0`` (f32) is padded first, which copies ``p``
   and ``q``; prefer Triton there. (``pl.pallas_call`` for Mosaic GPU is deprecated upstream in favour
-  of ``plgpu.kernel``; jax 0.10.2 still lowers it, with a warning.)
+  of ``plgpu.kernel``; jax 0.10.2 still lowers it, with a warning. The kernel names lane lowering
+  semantics, which jax 0.11 no longer takes by default. jax 0.11 also deprecates Pallas' Triton
+  backend in favour of Mosaic GPU.)
 * ``"reference"``: :func:`rejection_sample_reference`, the kernel's plain-jnp mirror (what
   ``"auto"`` picks off TPU / GPU). The gather-based verifier is not a backend here: kernels are
   leaves, and :func:`specjax.verify.rejection_sample` (``impl="jnp" | "pallas"``) dispatches to
@@ -454,9 +456,12 @@ def _stats_mosaic_gpu(xp, draft_probs, target_probs, exponentials, tiles: Reject
         in_specs=in_specs,
         out_specs=[vec] * n_out,
         scratch_shapes=[plgpu.SMEM((lanes,), jnp.float32)] * (n_out // 2),
+        # Lane semantics named, not left to the default: the kernel is written per lane
+        # (WG_STRIDED iotas), and jax 0.11 makes warpgroup lowering the default.
         compiler_params=None
         if interpret
-        else plgpu.CompilerParams(dimension_semantics=("parallel", "parallel", "sequential")),
+        else plgpu.CompilerParams(dimension_semantics=("parallel", "parallel", "sequential"),
+                                  lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
         name="rejection_sampling_stats",
     )(*args)
