@@ -58,6 +58,9 @@ def _save_params(params, step: int, workdir: str) -> None:
 
 def _newest_step(workdir: str) -> int:
     import orbax.checkpoint as ocp
+    if not os.path.isfile(os.path.join(workdir, "config.json")) \
+            or not os.path.isdir(os.path.join(workdir, "checkpoints")):
+        raise SystemExit(f"{workdir}: not a specjax run workdir (no config.json / checkpoints/)")
     manager = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"))
     try:
         step = manager.latest_step()
@@ -74,9 +77,9 @@ def pack_target(workdir: str, out: str) -> dict:
     from specjax.training.drafter_task import load_target
     from specjax.training.lm_task import model_config_from
     from specjax.training.run import data_dir_of
+    step = _newest_step(workdir)
     config = target_config_of(workdir)
     mcfg = model_config_from(config)
-    step = _newest_step(workdir)
     _, params = load_target(mcfg, workdir, step=step)
     _save_params(params, step, out)
     tokenizer = os.path.join(data_dir_of(config, mcfg.vocab_size), "tokenizer.json")
@@ -128,6 +131,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-wheels", action="store_true")
     args = ap.parse_args(argv)
     if os.path.exists(args.out):
+        # Replace an earlier bundle, never some other directory given by mistake.
+        if os.listdir(args.out) and not os.path.isfile(os.path.join(args.out, "bundle.json")):
+            raise SystemExit(f"--out {args.out!r} exists and is not a bundle (no bundle.json); "
+                             "give a new or an earlier bundle's directory")
         shutil.rmtree(args.out)
     summary = {"target": pack_target(args.target, os.path.join(args.out, "target")),
                "drafters": {}}
