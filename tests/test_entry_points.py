@@ -132,7 +132,8 @@ def test_device_bundle_then_device_check_quick(tiny_runs, tmp_path):
     steps = dict(line.split(" ", 1) for line in (out / "steps.txt").read_text().splitlines())
     assert set(steps) == {"env", "pallas", "step_cost", "spec"}, steps
     assert all(v.startswith("rc=0 ") for v in steps.values()), (steps, log[-3000:])
-    assert "compiled Pallas kernels need a GPU or TPU" in log and " passed" not in log
+    pallas = log[log.index("===== pallas"):log.index("pallas rc=")]
+    assert "1 skipped" in pallas and "passed" not in pallas  # the kernel test needs a GPU / TPU
     assert json.load(open(out / "model_step_cost.json"))["presets"][0]["preset"] == "tiny"
     r = json.load(open(out / "spec_vs_plain.json"))
     (cell,) = r["cells"]
