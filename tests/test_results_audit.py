@@ -443,6 +443,9 @@ def test_quoted_rl_t06_five_seed_numbers_match_the_committed_results():
     assert all(arms[a]["seeds"] == [0, 1, 2, 3, 4] for a in order)
     assert [_points(arms[a]["greedy_gain"]["combined"]) for a in order] == [
         (1.3, 1.0), (1.7, 1.0), (-0.1, 1.0), (-0.7, 0.9)]
+    # the summary table's premise row: sampled gains without and with speculation
+    assert [_points(arms[a]["sampled_gain"]["combined"]) for a in order[:2]] == [
+        (0.1, 0.6), (1.4, 0.6)]
     vs = claims["gain_minus_no_spec_points"]
     diffs, windows = _vs_no_spec_and_windows(claims, order[1:])
     assert diffs == {
