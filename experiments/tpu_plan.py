@@ -13,7 +13,8 @@ HBM), FLOPs and bytes, a roofline step time and, for training, an MFU estimate (
 engine's draft / verification / prefill steps and its device loop, for the config's target and
 drafter, tensor-parallel over ``gcd(chips, KV heads)`` chips, replicated over the rest; or one kind
 of them: ``engine.draft``, ``engine.verify``, ``engine.prefill``, ``engine.loop``) and
-``rejection`` (the Pallas rejection sampler). ``--fit`` halves the sequence of a train step that
+``rejection`` (the Pallas rejection sampler: the single-pass kernel, and the two-phase one where
+the vocabulary is a multiple of 128). ``--fit`` halves the sequence of a train step that
 does not fit until one does (at most ``--fit_tries`` times) and reports every attempt.
 
 ``--table`` compiles the documented grid instead (Qwen3-0.6B / 4B / 8B targets x MTP / DSpark
@@ -146,9 +147,13 @@ def plan(config, topology: str, programs, *, fit=False, tries=2, slots=64, max_l
         n = len(aot.topology_devices(topology))
         mesh = aot.topology_mesh(topology, {"data": -1})
         gamma = config.task.gamma if config.task.name == "drafter" else 4
-        p = aot.rejection_kernel(mesh, batch=n * max(1, slots // n), gamma=gamma,
-                                 vocab=target.vocab_size)
-        reports.append(aot.compile_program(p, mesh, topology))
+        # The single-pass kernel, and the two-phase one (one row per batch row; V % 128 == 0).
+        backends = ["mosaic_tpu"] + (["mosaic_tpu_two_phase"] if target.vocab_size % 128 == 0
+                                     else [])
+        for backend in backends:
+            p = aot.rejection_kernel(mesh, batch=n * max(1, slots // n), gamma=gamma,
+                                     vocab=target.vocab_size, backend=backend)
+            reports.append(aot.compile_program(p, mesh, topology))
     return [r.to_dict() for r in reports]
 
 

@@ -44,6 +44,9 @@ Backends (``rejection_sample_pallas(..., backend=...)``):
   of ``plgpu.kernel``; jax 0.10.2 still lowers it, with a warning. The kernel names lane lowering
   semantics, which jax 0.11 no longer takes by default. jax 0.11 also deprecates Pallas' Triton
   backend in favour of Mosaic GPU.)
+* ``"mosaic_tpu_two_phase"``: ``rejection_two_phase.py``. Acceptance from 128-lane chunks around
+  the drafted tokens, then one race over the single row each batch row needs: about
+  ``3 / (2K + 1)`` of the bytes of ``p`` and ``q`` (``V`` a multiple of 128).
 * ``"reference"``: :func:`rejection_sample_reference`, the kernel's plain-jnp mirror (what
   ``"auto"`` picks off TPU / GPU). The gather-based verifier is not a backend here: kernels are
   leaves, and :func:`specjax.verify.rejection_sample` (``impl="jnp" | "pallas"``) dispatches to
@@ -518,8 +521,9 @@ def rejection_sample_pallas(
     Args:
       draft_tokens: int32 ``[B, K]``; draft_probs: ``[B, K, V]``; target_probs: ``[B, K+1, V]``;
       uniforms: float32 ``[B, K]``; exponentials: float32 ``[B, V]``; num_draft: int32 ``[B]``.
-      backend: ``"auto"`` (:func:`default_backend`), ``"mosaic_tpu"``, ``"triton"``, ``"mosaic_gpu"``
-        or ``"reference"`` (the kernel's jnp mirror).
+      backend: ``"auto"`` (:func:`default_backend`), ``"mosaic_tpu"``, ``"triton"``, ``"mosaic_gpu"``,
+        ``"mosaic_tpu_two_phase"`` (``rejection_two_phase.py``: reads one row per batch row; ``V`` a
+        multiple of 128) or ``"reference"`` (the kernel's jnp mirror).
       tiles: :class:`RejectionTiles`.
       interpret: run the kernel in the Pallas interpreter (any platform, e.g. CPU tests).
     """
@@ -528,6 +532,11 @@ def rejection_sample_pallas(
         backend = default_backend()
     if backend == "reference":
         return rejection_sample_reference(draft_tokens, draft_probs, target_probs, uniforms, exponentials, num_draft)
+    if backend == "mosaic_tpu_two_phase":
+        from pallas_kernels.rejection_two_phase import rejection_sample_two_phase
+        return rejection_sample_two_phase(draft_tokens, draft_probs, target_probs, uniforms, exponentials,
+                                          num_draft, block_v=(tiles or RejectionTiles()).block_v,
+                                          interpret=interpret)
     stats = position_stats_pallas(
         draft_tokens, draft_probs, target_probs, exponentials, backend=backend, tiles=tiles, interpret=interpret
     )

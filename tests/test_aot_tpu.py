@@ -96,6 +96,22 @@ def test_rejection_kernel_compiles_for_tpu_at_one_read_of_p_and_q(batch, gamma, 
     assert r.notes["pq_bytes"] <= r.bytes_accessed <= 1.2 * r.notes["pq_bytes"]
 
 
+
+@pytest.mark.parametrize("batch,gamma,vocab", [(256, 8, 151936), (64, 8, 32000), (32, 4, 151936),
+                                               (32, 3, 32000)])
+def test_two_phase_rejection_kernel_compiles_for_tpu_below_half_a_read(batch, gamma, vocab):
+    mesh = aot.topology_mesh(TOPOLOGY, {"data": -1})
+    r = _compile(aot.rejection_kernel(mesh, batch=batch, gamma=gamma, vocab=vocab,
+                                      backend="mosaic_tpu_two_phase"), mesh)
+    assert r.fits and r.bound == "memory"
+    # What it must read: one row of p, of q and of the noise per batch row, 3 / (2K + 1) of one
+    # read of p and q. On top: K 128-lane chunks of p and q per row (under 2.2 % of the rows at
+    # these shapes), the noise's partial last tile (2.4 % at V = 32,000) and [B, K]-sized work
+    # around the kernels; under 15 % in all.
+    rows = r.notes["pq_bytes"] * 3 / (2 * gamma + 1)
+    assert rows <= r.bytes_accessed <= 1.15 * rows
+    assert r.bytes_accessed < 0.5 * r.notes["pq_bytes"]
+
 def test_oversized_config_is_reported_not_fitting_with_its_numbers():
     # 151,936-token vocabulary, 32 x 1024 tokens per chip: the f32 logits alone are 18.5 GiB per
     # chip, more than a v5e's 16 GiB (8 x 1024 per chip fits: 5.1 GiB).
