@@ -160,7 +160,7 @@ def rejection_sample_two_phase(draft_tokens, draft_probs, target_probs, uniforms
       block_v: vocabulary tile of the race (a multiple of 128).
       interpret: run under the Pallas interpreter (``True`` or ``pltpu.InterpretParams()``).
     """
-    from pallas_kernels.rejection_sampling import _nd
+    from pallas_kernels.rejection_sampling import _accepted, _emit, _nd
 
     bsz, k = draft_tokens.shape
     vocab = target_probs.shape[-1]
@@ -195,10 +195,7 @@ def rejection_sample_two_phase(draft_tokens, draft_probs, target_probs, uniforms
             cost_estimate=pl.CostEstimate(flops=int(bsz * k * _CHUNK * 4), transcendentals=0,
                                           bytes_accessed=int(chunks + small)),
         )(x.reshape(-1), x[:, :, None], target_probs, draft_probs)
-        pa, qa = pa[..., 0], qa[..., 0]
-        kk = jnp.arange(k, dtype=jnp.int32)[None, :]
-        accept = (kk < nd[:, None]) & (qa > 0.0) & (uniforms.astype(jnp.float32) * qa < pa)
-        n = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+        n = _accepted(x, uniforms, nd, pa[..., 0], qa[..., 0])
     else:
         n = jnp.zeros((bsz,), jnp.int32)
 
@@ -227,7 +224,4 @@ def rejection_sample_two_phase(draft_tokens, draft_probs, target_probs, uniforms
         y = jnp.where((n < nd) & (r_idx >= 0), r_idx, p_idx)
     else:
         y = p_idx
-    j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-    xp = jnp.concatenate([x, jnp.full((bsz, 1), -1, jnp.int32)], axis=1)
-    tokens = jnp.where(j < n[:, None], xp, jnp.where(j == n[:, None], y[:, None], -1))
-    return VerifyOutput(num_accepted=n, tokens=tokens.astype(jnp.int32))
+    return _emit(x, n, y)
