@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.rejection_common import _accepted, _emit, _nd
 from specjax.verify_types import VerifyOutput
 
 __all__ = ["rejection_sample_two_phase"]
@@ -160,8 +161,6 @@ def rejection_sample_two_phase(draft_tokens, draft_probs, target_probs, uniforms
       block_v: vocabulary tile of the race (a multiple of 128).
       interpret: run under the Pallas interpreter (``True`` or ``pltpu.InterpretParams()``).
     """
-    from pallas_kernels.rejection_sampling import _accepted, _emit, _nd
-
     bsz, k = draft_tokens.shape
     vocab = target_probs.shape[-1]
     if vocab % _CHUNK:
