@@ -17,9 +17,11 @@
 #   env         jax version, backend and devices                        -> device_check.log
 #   pallas      tests/test_pallas_rejection.py::test_kernel_on_accelerator_matches_jnp
 #   step_cost   benchmarks/model_step_cost.py, small + base50m, device loop -> model_step_cost.json
+#   verify      benchmarks/verify_throughput.py --quick: the jnp verifier and each compiled Pallas
+#               kernel of the platform, timed             -> verify_throughput.json
 #   spec        benchmarks/spec_vs_plain.py on the bundle's target and drafters (math, code)
 #                                                   -> spec_vs_plain.{json,md,png}
-# OUT_DIR then holds at most these 5 files plus steps.txt (one line per step: rc and seconds).
+# OUT_DIR then holds at most these 6 files plus steps.txt (one line per step: rc and seconds).
 # The installed jax may be newer than constraints.txt's; device_check.log records which.
 set -uo pipefail
 
@@ -63,11 +65,15 @@ step pallas 120 env JAX_PLATFORMS= "$py" -m pytest -q -p no:cacheprovider -o add
   tests/test_pallas_rejection.py -k test_kernel_on_accelerator_matches_jnp -rs
 
 if [ "$quick" = 1 ]; then
-  step step_cost 150 "$py" -m benchmarks.model_step_cost --quick --out "$out/model_step_cost.json"
+  step step_cost 120 "$py" -m benchmarks.model_step_cost --quick --out "$out/model_step_cost.json"
 else
-  step step_cost 150 "$py" -m benchmarks.model_step_cost --presets small,base50m --loops device \
+  step step_cost 120 "$py" -m benchmarks.model_step_cost --presets small,base50m --loops device \
     --max-k 8 --reps 9 --out "$out/model_step_cost.json"
 fi
+
+reps=()
+[ "$quick" = 1 ] && reps=(--reps 1)
+step verify 60 "$py" benchmarks/verify_throughput.py --quick "${reps[@]}" --out "$out/verify_throughput.json"
 
 drafters=()
 for d in "$bundle"/drafters/*/; do
@@ -77,7 +83,7 @@ if [ -d "$bundle/target" ] && [ ${#drafters[@]} -gt 0 ]; then
   # math and code at B = 1, 8, 32 and T = 0, 1: the cells of the speed goals.
   extra=(--domains math code)
   [ "$quick" = 1 ] && extra=(--quick)
-  step spec 240 "$py" -m benchmarks.spec_vs_plain --target "$bundle/target" "${drafters[@]}" \
+  step spec 210 "$py" -m benchmarks.spec_vs_plain --target "$bundle/target" "${drafters[@]}" \
     --out "$out/spec_vs_plain.json" --md "$out/spec_vs_plain.md" --png "$out/spec_vs_plain.png" \
     "${extra[@]}"
 else

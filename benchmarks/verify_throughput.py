@@ -12,6 +12,9 @@ For every (B, K, V) the script times, as medians over ``--reps`` repetitions aft
 * ``copy_alloc``-- ``jnp.copy`` of p and q into fresh buffers (includes first-touch page faults).
 * ``memcpy``    -- ``np.copyto`` of p and q into preallocated arrays.
 * ``read``      -- ``sum(p) + sum(q)``: read p and q once.
+* ``pallas_<backend>`` -- on a GPU or TPU only: each compiled Pallas kernel of that platform
+                   (``triton``, ``mosaic_gpu``; ``mosaic_tpu``, ``mosaic_tpu_two_phase``), with
+                   ``pallas_<backend>_same_tokens``: its tokens equal the jnp verifier's.
 * ``torch``     -- the "what people use today" baseline: residual max(0, p - q) normalised for every
                    position ([B, K, V]), bonus p_K appended, one exponential race over [B, K+1, V]
                    (``(probs / Exp(1)).argmax``, as vLLM's v0 sampler did), then pick position n.
@@ -116,6 +119,16 @@ def make_inputs(rng, b, k, vocab):
     return x, q, p, u, e
 
 
+def pallas_backends(vocab: int) -> list:
+    """The compiled Pallas backends of this platform (none on CPU, where only interpret mode runs)."""
+    platform_ = jax.default_backend()
+    if platform_ == "tpu":
+        return ["mosaic_tpu"] + (["mosaic_tpu_two_phase"] if vocab % 128 == 0 else [])
+    if platform_ in ("gpu", "cuda", "rocm"):
+        return ["triton", "mosaic_gpu"]
+    return []
+
+
 def bench_one(b, k, vocab, reps, seed=0):
     rng = np.random.default_rng(seed)
     x, q, p, u, e = make_inputs(rng, b, k, vocab)
@@ -128,6 +141,14 @@ def bench_one(b, k, vocab, reps, seed=0):
     verify = V.rejection_sample_with_noise
     _timed(row, "jnp", lambda: jax.block_until_ready(verify(jx, jq, jp, ju, je)), reps)
     _timed(row, "jnp_keyed", lambda: jax.block_until_ready(V.rejection_sample(key, jx, jq, jp)), reps)
+
+    # On a GPU / TPU: the compiled Pallas kernels, timed and checked against the jnp verifier.
+    want = np.asarray(verify(jx, jq, jp, ju, je).tokens)
+    for backend in pallas_backends(vocab):
+        from pallas_kernels.rejection_sampling import rejection_sample_pallas
+        run = lambda: rejection_sample_pallas(jx, jq, jp, ju, je, backend=backend)  # noqa: E731
+        _timed(row, f"pallas_{backend}", lambda: jax.block_until_ready(run()), reps)
+        row[f"pallas_{backend}_same_tokens"] = bool((np.asarray(run().tokens) == want).all())
 
     inc = jax.jit(lambda a, c: (a + 1.0, c + 1.0), donate_argnums=(0, 1))
     state = [jnp.array(p), jnp.array(q)]
@@ -153,6 +174,8 @@ def bench_one(b, k, vocab, reps, seed=0):
     row["copy_GBps"] = gb(row["copy_ms"])
     row["memcpy_GBps"] = gb(row["memcpy_ms"])
     row["read_GBps"] = gb(row["read_ms"])
+    for backend in pallas_backends(vocab):
+        row[f"pallas_{backend}_GBps"] = gb(row[f"pallas_{backend}_ms"])
     row["ratio_to_copy"] = row["jnp_GBps"] / row["copy_GBps"]
     row["keyed_ratio_to_copy"] = row["jnp_keyed_GBps"] / row["copy_GBps"]
     return row

@@ -130,11 +130,14 @@ def test_device_bundle_then_device_check_quick(tiny_runs, tmp_path):
     log = (out / "device_check.log").read_text() if (out / "device_check.log").exists() else ""
     assert proc.returncode == 0, proc.stdout + proc.stderr + log[-3000:]
     steps = dict(line.split(" ", 1) for line in (out / "steps.txt").read_text().splitlines())
-    assert set(steps) == {"env", "pallas", "step_cost", "spec"}, steps
+    assert set(steps) == {"env", "pallas", "step_cost", "verify", "spec"}, steps
     assert all(v.startswith("rc=0 ") for v in steps.values()), (steps, log[-3000:])
     pallas = log[log.index("===== pallas"):log.index("pallas rc=")]
     assert "1 skipped" in pallas and "passed" not in pallas  # the kernel test needs a GPU / TPU
     assert json.load(open(out / "model_step_cost.json"))["presets"][0]["preset"] == "tiny"
+    rows = json.load(open(out / "verify_throughput.json"))["results"]
+    assert [(r["B"], r["K"], r["V"]) for r in rows] == [(1, 8, 32000), (64, 8, 32000)]
+    assert all(r["jnp_ms"] > 0 and not any(k.startswith("pallas_") for k in r) for r in rows)
     r = json.load(open(out / "spec_vs_plain.json"))
     (cell,) = r["cells"]
     assert (cell["domain"], cell["batch"], cell["temperature"]) == ("math", 1, 0.0)
