@@ -64,7 +64,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.rejection_common import _accepted, _emit, _nd
+from pallas_kernels.rejection_common import (_accepted, _balanced_tile, _choose, _emit, _nd,
+                                             _race_update, _rows_per_block)
 from specjax.verify_types import VerifyOutput
 
 __all__ = [
@@ -132,14 +133,9 @@ def _epilogue(draft_tokens, uniforms, num_draft, pa, qa, r_idx, p_idx) -> Verify
     """Acceptance chain and token choice from the per-position statistics (``[B, K+1]``-sized)."""
     k = draft_tokens.shape[1]
     n = _accepted(draft_tokens, uniforms, num_draft, pa, qa)
-    rejected = n < num_draft
-    p_pick = jnp.maximum(jnp.take_along_axis(p_idx, n[:, None], axis=1)[:, 0], 0)
-    if k:
-        r_pick = jnp.take_along_axis(r_idx, jnp.minimum(n, k - 1)[:, None], axis=1)[:, 0]
-        y = jnp.where(rejected & (r_pick >= 0), r_pick, p_pick)
-    else:
-        y = p_pick
-    return _emit(draft_tokens, n, y)
+    p_pick = jnp.take_along_axis(p_idx, n[:, None], axis=1)[:, 0]
+    r_pick = jnp.take_along_axis(r_idx, jnp.minimum(n, k - 1)[:, None], axis=1)[:, 0] if k else None
+    return _emit(draft_tokens, n, _choose(n, num_draft, r_pick, p_pick))
 
 
 @jax.jit
@@ -158,18 +154,6 @@ def rejection_sample_reference(
 
 # ----------------------------------------------------------------------------------------------
 # TPU (Mosaic) kernel: grid (B, vocab tiles)
-
-
-def _race_update(score, col, best_ref, idx_ref, i):
-    # The index min-reduction runs in float32 (exact for ids < 2**24): float lane reductions are the
-    # ones every TPU generation supports.
-    m = jnp.max(score, axis=1, keepdims=True)
-    j = jnp.min(jnp.where(score == m, col.astype(jnp.float32), jnp.inf), axis=1, keepdims=True)
-    j = j.astype(jnp.int32)
-    best = best_ref[i]
-    better = m > best
-    best_ref[i] = jnp.where(better, m, best)
-    idx_ref[i] = jnp.where(better, j, idx_ref[i])
 
 
 def _tpu_kernel(*refs, k, vocab, block_v, rows):
@@ -227,14 +211,11 @@ def _stats_tpu(xp, draft_probs, target_probs, exponentials, tiles: RejectionTile
 
     bsz, k1, vocab = target_probs.shape
     k = k1 - 1
-    # Tiles of at most block_v lanes, balanced so that the last (partial) one wastes < 128 lanes
-    # (V = 8193 in blocks of 2048 would fetch 25 % more than V).
-    lanes = pl.cdiv(vocab, 128)
-    bv = pl.cdiv(lanes, pl.cdiv(lanes * 128, tiles.block_v)) * 128
+    bv = _balanced_tile(vocab, tiles.block_v)
     # Blocks of `rows` batch rows: the noise [B, V] is then tiled (8, block_v), TPU's own tiling, so
     # it is read in place (a one-row block of it is not allowed, and a [B, 1, V] view would have
     # another layout: XLA would copy the whole array to make it).
-    rows = 8 if bsz % 8 == 0 else bsz
+    rows = _rows_per_block(bsz)
     grid = (bsz // rows, pl.cdiv(vocab, bv))
     col_spec = lambda n: pl.BlockSpec((rows, n, 1), lambda b, t: (b, 0, 0))
     in_specs = [col_spec(k1), pl.BlockSpec((rows, k1, bv), lambda b, t: (b, 0, t))]

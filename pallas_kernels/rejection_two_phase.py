@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.rejection_common import _accepted, _emit, _nd
+from pallas_kernels.rejection_common import (_accepted, _balanced_tile, _choose, _emit, _nd,
+                                             _race_update, _rows_per_block)
 from specjax.verify_types import VerifyOutput
 
 __all__ = ["rejection_sample_two_phase"]
@@ -45,10 +46,6 @@ _CHUNK = 128  # lanes per acceptance DMA: a TPU DMA's lane offset is a multiple 
 def _tpu():
     from jax.experimental.pallas import tpu  # imported when used: CPU-only installs never need it
     return tpu
-
-
-def _rows_per_block(bsz: int) -> int:
-    return 8 if bsz % 8 == 0 else bsz
 
 
 def _accept_kernel(x_smem, x_ref, p_hbm, q_hbm, pa_ref, qa_ref, pbuf, qbuf, sem, *, k, rows, vocab):
@@ -73,16 +70,6 @@ def _accept_kernel(x_smem, x_ref, p_hbm, q_hbm, pa_ref, qa_ref, pbuf, qbuf, sem,
                             keepdims=True)
         qa_ref[i] = jnp.sum(jnp.where(lane == xm, qbuf[i].astype(jnp.float32), 0.0), axis=1,
                             keepdims=True)
-
-
-def _race_rows(score, col, best_ref, idx_ref):
-    """Running first-argmax over vocabulary tiles for ``[rows, T]`` scores (``best``/``idx``
-    ``[rows, 1]``); the same reductions as the single-pass kernel's ``_race_update``."""
-    m = jnp.max(score, axis=1, keepdims=True)
-    j = jnp.min(jnp.where(score == m, col.astype(jnp.float32), jnp.inf), axis=1, keepdims=True)
-    better = m > best_ref[...]
-    best_ref[...] = jnp.where(better, m, best_ref[...])
-    idx_ref[...] = jnp.where(better, j.astype(jnp.int32), idx_ref[...])
 
 
 def _race_kernel(*refs, k, rows, vocab, block_v, tiles):
@@ -123,18 +110,10 @@ def _race_kernel(*refs, k, rows, vocab, block_v, tiles):
     valid = col < vocab
     r = jnp.where(valid, 1.0 / e_ref[...].astype(jnp.float32), 0.0)  # (rows, T)
     p = jnp.where(valid, pbuf[...].astype(jnp.float32), 0.0)
-    _race_rows(p * r, col, pbest, pidx_ref)
+    _race_update(p * r, col, pbest, pidx_ref)
     if k:
         q = jnp.where(valid, qbuf[...].astype(jnp.float32), 0.0)
-        _race_rows(jnp.maximum(p - q, 0.0) * r, col, rbest, ridx_ref)
-
-
-def _tile_width(vocab: int, block_v: int) -> tuple[int, int]:
-    """``(block_v, tiles)``: tiles of at most ``block_v`` lanes, balanced like the single-pass
-    kernel's so that the last one is not much narrower."""
-    lanes = vocab // _CHUNK
-    bv = pl.cdiv(lanes, pl.cdiv(lanes * _CHUNK, block_v)) * _CHUNK
-    return bv, pl.cdiv(vocab, bv)
+        _race_update(jnp.maximum(p - q, 0.0) * r, col, rbest, ridx_ref)
 
 
 def _cost(bsz, k, vocab, noise_lanes, p_item, q_item, e_item):
@@ -172,7 +151,8 @@ def rejection_sample_two_phase(draft_tokens, draft_probs, target_probs, uniforms
     nd = _nd(num_draft, bsz, k)
     x = draft_tokens.astype(jnp.int32)
     rows = _rows_per_block(bsz)
-    bv, tiles = _tile_width(vocab, block_v)
+    bv = _balanced_tile(vocab, block_v)
+    tiles = pl.cdiv(vocab, bv)
     p_item, e_item = target_probs.dtype.itemsize, exponentials.dtype.itemsize
     q_item = draft_probs.dtype.itemsize
     chunks, row_bytes, small, flops = _cost(bsz, k, vocab, tiles * bv, p_item, q_item, e_item)
@@ -217,10 +197,4 @@ def rejection_sample_two_phase(draft_tokens, draft_probs, target_probs, uniforms
         cost_estimate=pl.CostEstimate(flops=int(flops), transcendentals=0,
                                       bytes_accessed=int(row_bytes + small)),
     )(n, *([target_probs, draft_probs] if k else [target_probs]), exponentials)
-    p_idx = jnp.maximum(outs[0][:, 0], 0)
-    if k:
-        r_idx = outs[1][:, 0]
-        y = jnp.where((n < nd) & (r_idx >= 0), r_idx, p_idx)
-    else:
-        y = p_idx
-    return _emit(x, n, y)
+    return _emit(x, n, _choose(n, nd, outs[1][:, 0] if k else None, outs[0][:, 0]))
