@@ -119,16 +119,6 @@ def make_inputs(rng, b, k, vocab):
     return x, q, p, u, e
 
 
-def pallas_backends(vocab: int) -> list:
-    """The compiled Pallas backends of this platform (none on CPU, where only interpret mode runs)."""
-    platform_ = jax.default_backend()
-    if platform_ == "tpu":
-        return ["mosaic_tpu"] + (["mosaic_tpu_two_phase"] if vocab % 128 == 0 else [])
-    if platform_ in ("gpu", "cuda", "rocm"):
-        return ["triton", "mosaic_gpu"]
-    return []
-
-
 def bench_one(b, k, vocab, reps, seed=0):
     rng = np.random.default_rng(seed)
     x, q, p, u, e = make_inputs(rng, b, k, vocab)
@@ -143,9 +133,10 @@ def bench_one(b, k, vocab, reps, seed=0):
     _timed(row, "jnp_keyed", lambda: jax.block_until_ready(V.rejection_sample(key, jx, jq, jp)), reps)
 
     # On a GPU / TPU: the compiled Pallas kernels, timed and checked against the jnp verifier.
-    want = np.asarray(verify(jx, jq, jp, ju, je).tokens)
-    for backend in pallas_backends(vocab):
-        from pallas_kernels.rejection_sampling import rejection_sample_pallas
+    from pallas_kernels.rejection_sampling import compiled_backends, rejection_sample_pallas
+    backends = compiled_backends(jax.default_backend(), vocab)
+    want = np.asarray(verify(jx, jq, jp, ju, je).tokens) if backends else None
+    for backend in backends:
         run = lambda: rejection_sample_pallas(jx, jq, jp, ju, je, backend=backend)  # noqa: E731
         _timed(row, f"pallas_{backend}", lambda: jax.block_until_ready(run()), reps)
         row[f"pallas_{backend}_same_tokens"] = bool((np.asarray(run().tokens) == want).all())
@@ -174,7 +165,7 @@ def bench_one(b, k, vocab, reps, seed=0):
     row["copy_GBps"] = gb(row["copy_ms"])
     row["memcpy_GBps"] = gb(row["memcpy_ms"])
     row["read_GBps"] = gb(row["read_ms"])
-    for backend in pallas_backends(vocab):
+    for backend in backends:
         row[f"pallas_{backend}_GBps"] = gb(row[f"pallas_{backend}_ms"])
     row["ratio_to_copy"] = row["jnp_GBps"] / row["copy_GBps"]
     row["keyed_ratio_to_copy"] = row["jnp_keyed_GBps"] / row["copy_GBps"]

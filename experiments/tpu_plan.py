@@ -147,10 +147,9 @@ def plan(config, topology: str, programs, *, fit=False, tries=2, slots=64, max_l
         n = len(aot.topology_devices(topology))
         mesh = aot.topology_mesh(topology, {"data": -1})
         gamma = config.task.gamma if config.task.name == "drafter" else 4
+        from pallas_kernels.rejection_sampling import compiled_backends
         # The single-pass kernel, and the two-phase one (one row per batch row; V % 128 == 0).
-        backends = ["mosaic_tpu"] + (["mosaic_tpu_two_phase"] if target.vocab_size % 128 == 0
-                                     else [])
-        for backend in backends:
+        for backend in compiled_backends("tpu", target.vocab_size):
             p = aot.rejection_kernel(mesh, batch=n * max(1, slots // n), gamma=gamma,
                                      vocab=target.vocab_size, backend=backend)
             reports.append(aot.compile_program(p, mesh, topology))

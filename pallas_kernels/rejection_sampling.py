@@ -75,6 +75,7 @@ __all__ = [
     "position_stats_pallas",
     "rejection_sample_pallas",
     "default_backend",
+    "compiled_backends",
 ]
 
 _BIG = 2**30
@@ -455,6 +456,18 @@ def default_backend() -> str:
     platform = jax.default_backend()
     return {"tpu": "mosaic_tpu", "gpu": "triton", "cuda": "triton",
             "rocm": "triton"}.get(platform, "reference")
+
+
+def compiled_backends(platform: str, vocab: Optional[int] = None) -> list:
+    """The Pallas backends that compile to device code on ``platform`` (``jax.default_backend()``
+    names: "tpu", "gpu" / "cuda" / "rocm"; none on CPU, where only interpret mode runs). With
+    ``vocab``, only those that take that vocabulary (the two-phase kernel needs V % 128 == 0)."""
+    if platform == "tpu":
+        two_phase = vocab is None or vocab % 128 == 0
+        return ["mosaic_tpu"] + (["mosaic_tpu_two_phase"] if two_phase else [])
+    if platform in ("gpu", "cuda", "rocm"):
+        return ["triton", "mosaic_gpu"]
+    return []
 
 
 def position_stats_pallas(draft_tokens, draft_probs, target_probs, exponentials, *, backend, tiles=None, interpret=False):
