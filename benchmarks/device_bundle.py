@@ -82,18 +82,18 @@ def pack_target(workdir: str, out: str) -> dict:
     mcfg = model_config_from(config)
     _, params = load_target(mcfg, workdir, step=step)
     _save_params(params, step, out)
-    tokenizer = os.path.join(data_dir_of(config, mcfg.vocab_size), "tokenizer.json")
+    run_data_dir = data_dir_of(config, mcfg.vocab_size)
+    tokenizer = os.path.join(run_data_dir, "tokenizer.json")
     if not os.path.isfile(tokenizer):
         raise SystemExit(f"{workdir}: its tokenizer {tokenizer} is not on disk")
     data_dir = os.path.join(os.path.dirname(out.rstrip("/")), "data",
-                            os.path.basename(data_dir_of(config, mcfg.vocab_size)))
+                            os.path.basename(run_data_dir))
     os.makedirs(data_dir, exist_ok=True)
     shutil.copy(tokenizer, data_dir)
-    with open(os.path.join(workdir, "config.json")) as f:
-        raw = json.load(f)
-    raw["data"]["data_dir"] = os.path.relpath(data_dir)
+    packed = config.to_dict()  # as the trainer writes it, with the data dir moved into the bundle
+    packed["data"]["data_dir"] = os.path.relpath(data_dir)
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(raw, f, indent=2, sort_keys=True)
+        json.dump(packed, f, indent=2, sort_keys=True)
     return {"step": step, "params": mcfg.num_params()}
 
 
