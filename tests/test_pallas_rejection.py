@@ -25,15 +25,16 @@ except ImportError:  # plain `pytest` without the repository root on sys.path (a
 from specjax import verify as V
 
 
+def softmax(z):
+    z = np.exp(z - z.max(-1, keepdims=True))
+    return z / z.sum(-1, keepdims=True)
+
+
 def make_inputs(seed, b, k, vocab):
     """Inputs that exercise every branch: rejections at each position, p == q rows (all accepted,
     zero residual), rows whose residual is exactly zero although they reject (fallback to p), q(x) = 0
     drafts, mixed num_draft including 0 and K, and mass in the vocab tail."""
     rng = np.random.default_rng(seed)
-
-    def softmax(z):
-        z = np.exp(z - z.max(-1, keepdims=True))
-        return z / z.sum(-1, keepdims=True)
 
     p = softmax(3 * rng.normal(size=(b, k + 1, vocab))).astype(np.float32)
     q = softmax(3 * rng.normal(size=(b, k, vocab))).astype(np.float32)
@@ -124,10 +125,6 @@ def test_two_phase_first_token_is_distributed_as_the_target():
     from pallas_kernels.rejection_two_phase import rejection_sample_two_phase
     b, k, vocab = 4096, 2, 256
     rng = np.random.default_rng(20_261_206)
-
-    def softmax(z):
-        z = np.exp(z - z.max(-1, keepdims=True))
-        return z / z.sum(-1, keepdims=True)
 
     p0 = softmax(2.0 * rng.normal(size=(k + 1, vocab))).astype(np.float32)
     q0 = softmax(2.0 * rng.normal(size=(k, vocab))).astype(np.float32)
