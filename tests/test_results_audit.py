@@ -148,6 +148,25 @@ def test_quoted_rl_t06_three_seed_numbers_match_the_committed_results():
     assert arms["rs_e2e_tv"]["per_seed"][0] == seed0["arms"]["rs_e2e_tv"]["per_seed"][0]
 
 
+
+def test_quoted_tpu_rejection_sampler_numbers_match_the_committed_results():
+    """docs/TPU.md's Pallas rejection sampler: both kernels' compiled bytes as a share of one read
+    of p and q, and their roofline times, from the one tpu_plan run."""
+    path = os.path.join(os.path.dirname(FULL), "tpu", "rejection", "plan.json")
+    runs = {r["name"]: r for r in json.load(open(path))}
+    one, two = runs["rejection[mosaic_tpu]"], runs["rejection[mosaic_tpu_two_phase]"]
+    assert one["shapes"] == two["shapes"] == {"batch": 256, "gamma": 7, "vocab": 151936,
+                                               "row_major": True}
+    share = lambda r: round(r["bytes_accessed"] / r["notes"]["pq_bytes"], 2)  # noqa: E731
+    assert (share(one), share(two)) == (1.08, 0.20)
+    assert (round(1e3 * one["roofline_seconds"], 2), round(1e3 * two["roofline_seconds"], 3)) == (
+        0.77, 0.145)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    doc = open(os.path.join(root, "docs", "TPU.md")).read()
+    for quoted in ("**1.08x one read of `p` and `q`**", "**0.20x one read of `p` and `q`**",
+                   "(0.145 ms at the v5e roofline, against\n1.08x and 0.77 ms)"):
+        assert quoted in doc, quoted
+
 def test_quoted_tpu_row_chunk_rounding_numbers_match_the_committed_results():
     """docs/TPU.md's rounding table and the tiling table it refers back to."""
     tpu = os.path.join(os.path.dirname(FULL), "tpu", "chunk_fix")
