@@ -1,7 +1,7 @@
-"""benchmarks/serving.py's goal arithmetic on hand-made reports (no engine)."""
+"""benchmarks/serving_report.py's goal arithmetic on hand-made reports (no engine)."""
 import math
 
-from benchmarks.serving import goals
+from benchmarks.serving_report import goals
 
 
 def _report(mtp1, dspark):
