@@ -73,7 +73,7 @@ def _newest_step(workdir: str) -> int:
 
 def pack_target(workdir: str, out: str) -> dict:
     """Params-only copy of a target run into ``out``; its tokenizer into ``<bundle>/data``."""
-    from experiments.reproduce import target_config_of
+    from experiments.reproduce_steps import target_config_of
     from specjax.training.drafter_task import load_target
     from specjax.training.lm_task import model_config_from
     from specjax.training.run import data_dir_of

@@ -131,7 +131,7 @@ def run(args) -> dict:
 
     from experiments.offline_eval import load_trained
     from specjax.models.generate import generate_timed
-    from experiments.reproduce import target_config_of
+    from experiments.reproduce_steps import target_config_of
     from specjax.drafters import NGramDrafter
     from specjax.data.tokenizer import load_tokenizer
     from specjax.training.drafter_task import load_target

@@ -16,7 +16,7 @@ from specjax import code_version as cv
 
 
 def test_every_cache_location_is_under_the_test_temp_dir():
-    from experiments import quickstart, reproduce
+    from experiments import quickstart, reproduce_steps
     from experiments.configs import pretrain_target
     from specjax.training import default_config
     from specjax.training.run import data_dir_of
@@ -24,7 +24,8 @@ def test_every_cache_location_is_under_the_test_temp_dir():
     home_cache = os.path.join(os.path.expanduser("~"), ".cache")
     paths = [data_dir_of(default_config(), 2048), quickstart._workdir(True),
              quickstart._workdir(False),
-             reproduce.target_cache_dir(reproduce.MODES["tiny"], pretrain_target.get_config("tiny")),
+             reproduce_steps.target_cache_dir(reproduce_steps.MODES["tiny"],
+                                              pretrain_target.get_config("tiny")),
              os.environ["SPECJAX_NOTEBOOK_WORKDIR"]]
     for p in paths:
         assert os.path.abspath(p).startswith(conftest.CACHE_ROOT + os.sep), p
@@ -81,12 +82,12 @@ def test_artefact_key_covers_config_and_code(monkeypatch):
 
 
 def test_target_cache_dir_changes_with_code(monkeypatch):
-    from experiments import quickstart, reproduce
+    from experiments import quickstart, reproduce_steps
     from experiments.configs import pretrain_target
-    mode, config = reproduce.MODES["tiny"], pretrain_target.get_config("tiny")
-    before = reproduce.target_cache_dir(mode, config), quickstart._workdir(True)
+    mode, config = reproduce_steps.MODES["tiny"], pretrain_target.get_config("tiny")
+    before = reproduce_steps.target_cache_dir(mode, config), quickstart._workdir(True)
     monkeypatch.setattr(cv, "source_hash", lambda sources, root=None: "edited-code")
-    after = reproduce.target_cache_dir(mode, config), quickstart._workdir(True)
+    after = reproduce_steps.target_cache_dir(mode, config), quickstart._workdir(True)
     assert before[0] != after[0] and before[1] != after[1]
 
 
