@@ -94,3 +94,40 @@ def test_target_cache_dir_changes_with_code(monkeypatch):
 def test_missing_listed_source_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="models/gone.py"):
         cv.source_hash(["models/gone.py"], root=str(tmp_path))
+
+
+# Package files the training entry points import that do not change what they produce.
+_NOT_PRODUCING = {
+    "__init__.py": "re-exports", "data/__init__.py": "re-exports",
+    "models/__init__.py": "re-exports", "training/__init__.py": "re-exports",
+    "code_version.py": "computes the keys themselves",
+    "models/partitioning.py": "pins where activations live on a mesh, not their values",
+    "training/metrics.py": "writes metrics files",
+}
+
+
+def _package_files_imported_by(*modules):
+    """Package-relative paths of the specjax files a fresh interpreter loads to import ``modules``."""
+    import subprocess
+    import sys
+    code = ("import os, sys\n" + "".join(f"import {m}\n" for m in modules)
+            + "import specjax\nroot = os.path.dirname(specjax.__file__)\n"
+            + "for n, m in sorted(sys.modules.items()):\n"
+            + "    f = getattr(m, '__file__', None)\n"
+            + "    if n.split('.')[0] == 'specjax' and f:\n"
+            + "        print(os.path.relpath(f, root))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+def test_cache_keys_list_every_module_that_trains_the_artefact():
+    """A module split off a listed file (or any new import of the training path) must join the
+    key, or an edit to it would reuse a stale cached target / drafter."""
+    drafter = _package_files_imported_by("specjax.training.drafter_run")
+    assert "training/drafter_task.py" in drafter  # the probe sees the package
+    assert drafter - set(cv.DRAFTER_SOURCES) - set(_NOT_PRODUCING) == set()
+    # The target path's imports, less the drafter-only files the task registry loads with it.
+    target = _package_files_imported_by("specjax.training.run", "specjax.training.lm_task",
+                                        "specjax.data.tfds_builder", "specjax.data.pipeline")
+    drafter_only = set(cv.DRAFTER_SOURCES) - set(cv.TARGET_SOURCES)
+    assert target - drafter_only - set(cv.TARGET_SOURCES) - set(_NOT_PRODUCING) == set()

@@ -40,7 +40,6 @@ import time
 from typing import Any, Callable, Mapping, Optional
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from specjax.aot import chips as chips_lib

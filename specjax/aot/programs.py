@@ -173,7 +173,7 @@ def engine_steps(target_config: ModelConfig, task_config: ml_collections.ConfigD
     from specjax.drafters.base import Observation, Sampling  # noqa: F401  (pytree types)
     from specjax.engine.steps import DeviceState
     from specjax.models.kv_cache import init_cache
-    from specjax.training.drafter_task import build_drafter, _axes_of
+    from specjax.training.drafter_build import build_drafter, logical_axes_of
 
     draft_fn, verify_fn, prefill_fn = _engine_device_fns()
     s, max_len, gamma = shapes.num_slots, shapes.max_len, shapes.gamma
@@ -184,14 +184,15 @@ def engine_steps(target_config: ModelConfig, task_config: ml_collections.ConfigD
     # target: graphdef + abstract state sharded by the logical rules
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(target_config,
                                                                    rngs=nnx.Rngs(params=0))))
-    t_axes = _axes_of(state)
+    t_axes = logical_axes_of(state)
     t_pure = nnx.to_pure_dict(state)
     t_abs = abstract(t_pure, sharding_lib.tree_shardings(t_pure, t_axes, mesh, **rules))
     # drafter: params by their logical axes; the shared head (frozen) by its own
     drafter, factory = build_drafter(task_config, target_config)
     d_state = nnx.state(nnx.eval_shape(lambda: factory(nnx.Rngs(params=0))))
     d_pure = nnx.to_pure_dict(d_state)
-    d_abs = abstract(d_pure, sharding_lib.tree_shardings(d_pure, _axes_of(d_state), mesh, **rules))
+    d_abs = abstract(d_pure, sharding_lib.tree_shardings(d_pure, logical_axes_of(d_state), mesh,
+                                                         **rules))
     frozen = None
     if task_config.drafter != "draft_lm":
         head = jax.eval_shape(lambda p: shared_head((graphdef, p)), t_pure)
