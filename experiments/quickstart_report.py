@@ -64,7 +64,7 @@ def summary_markdown(summary: dict, png_name: str) -> str:
         lines.append(f"| {d} | {m['ce']:.3f} | {math.exp(m['ce']):.2f} | {m['accuracy']:.3f} |")
     lines += ["", f"Held-out math problems solved by greedy decoding: "
                   f"{summary['math_solved']:.1%}.", "",
-              f"## Speculative decoding vs the fastest plain decoder (B = 1)", "",
+              "## Speculative decoding vs the fastest plain decoder (B = 1)", "",
               f"{summary['prompts_per_domain']} held-out prompt(s) per domain, "
               f"{summary['new_tokens']} new tokens each, one request at a time; wall time after a "
               f"warm-up, median of {summary['reps']} runs; the same weights and max_len "

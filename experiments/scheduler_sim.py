@@ -163,12 +163,12 @@ def markdown(rows: list[dict], ans: dict, profile: SPSProfile, meta: dict) -> st
     pols = list(dict.fromkeys(r["policy"] for r in rows))
     cs = sorted({r["concurrency"] for r in rows})
     cell = {(r["policy"], r["concurrency"]): r for r in rows}
-    lines = [f"# Scheduling policies at TPU economics (simulation)\n",
+    lines = ["# Scheduling policies at TPU economics (simulation)\n",
              f"SPS profile: {profile.key}; buckets {list(profile.buckets)}; drafting "
              f"{1e3 * profile.draft_s:.2f} ms. Traces: {meta['traces']} ({meta['n_traces']} "
              f"recorded steps, γ = {meta['gamma']}). {meta['steps']} simulated steps per cell.\n",
-             *([f"Verification step time (ms) per bucket, by concurrency (each C has its own "
-                f"profile): " + "; ".join(f"C={c}: {v}" for c, v in
+             *(["Verification step time (ms) per bucket, by concurrency (each C has its own "
+                "profile): " + "; ".join(f"C={c}: {v}" for c, v in
                                           meta["step_ms_per_concurrency"].items()) + "\n"]
                if "step_ms_per_concurrency" in meta else
                [f"Verification step time (ms) per bucket: "

@@ -8,7 +8,6 @@ import json
 import os
 import warnings
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
