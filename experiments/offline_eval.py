@@ -4,7 +4,8 @@ For each drafter × (verification rule, temperature) × held-out domain, one spe
 at each of ``A`` anchors of each held-out row: the context is the held-out text up to the anchor,
 the drafter *samples* its γ drafts through its own chain, the target scores them in one cached
 forward and the real verifier (rejection sampling / target-only / greedy, :mod:`specjax.verify`)
-accepts a prefix. See :mod:`specjax.evaluation` for the exact protocol and metric definitions.
+accepts a prefix. See :mod:`specjax.evaluation` for the exact protocol and
+:mod:`specjax.evaluation_stats` for the metric definitions.
 
 Command (drafters are trainer workdirs written by ``experiments/train_drafter.py`` or
 ``experiments/reproduce.py``; ``ngram`` needs no workdir)::
@@ -73,10 +74,11 @@ def evaluate(drafters: Mapping[str, tuple], target, heldout: Mapping[str, tuple]
       pooled: also summarize all domains together under the domain name ``"all"`` (results only).
     Returns:
       ``(results, records)``: ``results[name][cell][domain] = summarize(...)`` and the raw
-      :class:`~specjax.evaluation.StepRecords` under the same keys. The anchors (and so the
+      :class:`~specjax.evaluation_stats.StepRecords` under the same keys. The anchors (and so the
       contexts) are the same for every drafter: comparisons between drafters are paired.
     """
     from specjax import evaluation as E
+    from specjax.evaluation_stats import StepRecords, summarize
     grid = E.DEFAULT_GRID if grid is None else grid
     results, records = {}, {}
     for name, (drafter, params, frozen, gamma) in drafters.items():
@@ -89,7 +91,7 @@ def evaluate(drafters: Mapping[str, tuple], target, heldout: Mapping[str, tuple]
                                       seed=seed, max_slots=max_slots)
             for (rule, temp), rec in recs.items():
                 cell = cell_key(rule, temp)
-                results[name].setdefault(cell, {})[domain] = E.summarize(rec)
+                results[name].setdefault(cell, {})[domain] = summarize(rec)
                 records[name].setdefault(cell, {})[domain] = rec
             first = results[name][cell_key(*grid[min(1, len(grid) - 1)])][domain]
             log(f"  eval {name:>16} {domain:>5}: {first['n_steps']} steps, "
@@ -97,18 +99,18 @@ def evaluate(drafters: Mapping[str, tuple], target, heldout: Mapping[str, tuple]
                 f"({time.perf_counter() - t0:.0f}s)")
         if pooled and len(heldout) > 1:  # all domains together (wider entropy range)
             for cell, by_dom in records[name].items():
-                rec = E.StepRecords.concat([by_dom[d] for d in heldout if d in by_dom],
-                                            distinct_rows=True)
-                results[name][cell]["all"] = E.summarize(rec)
+                rec = StepRecords.concat([by_dom[d] for d in heldout if d in by_dom],
+                                         distinct_rows=True)
+                results[name][cell]["all"] = summarize(rec)
     return results, records
 
 
 def split_halves(recs, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Indices ``(fit, score)`` into the concatenated steps of ``recs`` (a list of
-    :class:`~specjax.evaluation.StepRecords`, e.g. one per domain): half of the held-out rows each
-    when every record knows its rows (so no row's context is on both sides), otherwise half of the
-    steps each, at random."""
-    from specjax.evaluation import StepRecords
+    :class:`~specjax.evaluation_stats.StepRecords`, e.g. one per domain): half of the held-out rows
+    each when every record knows its rows (so no row's context is on both sides), otherwise half of
+    the steps each, at random."""
+    from specjax.evaluation_stats import StepRecords
     rng = np.random.default_rng(seed)
     if all(r.row is not None for r in recs):
         rows = StepRecords.concat(recs, distinct_rows=True).row

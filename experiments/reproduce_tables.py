@@ -28,10 +28,10 @@ def _quadrature(*se) -> float:
 
 def _rows_se(cells: list, ref_cells: Optional[list] = None) -> float:
     """Row-clustered s.e. of the seed-pooled acceptance (accepted / γ) of ``cells`` (one
-    :func:`specjax.evaluation.summarize` dict per seed, all on the same held-out rows), or of its
-    difference to ``ref_cells`` (same seeds, rows and anchors: paired by row). Each row's accepted
-    drafts and steps are summed over the seeds; nan when a cell lacks ``per_row`` or the pairs'
-    anchors differ."""
+    :func:`specjax.evaluation_stats.summarize` dict per seed, all on the same held-out rows), or of
+    its difference to ``ref_cells`` (same seeds, rows and anchors: paired by row). Each row's
+    accepted drafts and steps are summed over the seeds; nan when a cell lacks ``per_row`` or the
+    pairs' anchors differ."""
     from specjax.stats import clustered_ratio
     y: dict = {}
     n: dict = {}

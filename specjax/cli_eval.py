@@ -17,7 +17,7 @@ work. Per category (and pooled over all, ``"all"``) the report has:
   that were accepted, from the engine's per-position counts ``verified_per_position`` /
   ``accepted_per_position`` (the definition of ``benchmarks/spec_vs_plain.py``). For k ≥ 2 a
   verified draft k also fails when an earlier draft of its step was rejected, so this is the
-  survival of drafts 1..k, not the conditional ``α_k`` of :mod:`specjax.evaluation`;
+  survival of drafts 1..k, not the conditional ``α_k`` of :mod:`specjax.evaluation_stats`;
 * ``conditional_acceptance_per_position``: ``α_k = P(draft k accepted | draft k verified and
   drafts 1..k-1 accepted)`` = ``accepted_k / reached_k`` (``reached`` counts come from the device
   loop's ``LoopStats`` or, one request per step, the host loop's; see :func:`position_counts`);

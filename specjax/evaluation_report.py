@@ -1,6 +1,6 @@
 """Reports of offline evaluations: JSON (:func:`write_json`, :func:`to_jsonable`), markdown tables
 (:func:`results_markdown`) and figures (acceptance per draft position, acceptance against the
-target's entropy) from :func:`specjax.evaluation.summarize` results. Also importable from
+target's entropy) from :func:`specjax.evaluation_stats.summarize` results. Also importable from
 :mod:`specjax.evaluation`.
 """
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Offline-evaluation math (hand-computable cases) and the anchor-state pipeline.
+"""Offline-evaluation statistics (specjax/evaluation_stats.py, hand-computable cases) and the
+anchor-state pipeline (specjax/evaluation.py).
 
 * acceptance per position, τ with the bonus, predicted E[τ] from per-position acceptances, the
   entropy slope fit (against numpy.polyfit / the textbook standard error) and binned means;
@@ -7,7 +8,8 @@
   and greedy verification accept every draft (τ = γ + 1, TV = 0), which fails if the anchor
   caches / anchor token / draft positions are misaligned by even one position;
 * the fast per-drafter anchor states equal each drafter's own prefill on every prefix
-  (same verification outcomes for the same keys).
+  (same verification outcomes for the same keys);
+* specjax.evaluation re-exports the statistics.
 """
 import math
 import sys
@@ -18,15 +20,16 @@ import numpy as np
 import pytest
 
 from specjax import evaluation as E
+from specjax import evaluation_stats as ES
 
 
 def test_acceptance_by_position_hand_case():
     a = np.array([0, 1, 3, 2, 3])
-    rate, reached = E.acceptance_by_position(a, 3)
+    rate, reached = ES.acceptance_by_position(a, 3)
     np.testing.assert_array_equal(reached, [5, 4, 3])
     np.testing.assert_allclose(rate, [4 / 5, 3 / 4, 2 / 3])
     # with fewer drafts verified on some steps: position k only counts steps that verified it
-    rate, reached = E.acceptance_by_position([2, 1, 1], 3, num_draft=[2, 1, 3])
+    rate, reached = ES.acceptance_by_position([2, 1, 1], 3, num_draft=[2, 1, 3])
     np.testing.assert_array_equal(reached, [3, 2, 0])  # row 1 verified only one draft
     np.testing.assert_allclose(rate[:2], [1.0, 1 / 2])
     assert np.isnan(rate[2])
@@ -34,17 +37,17 @@ def test_acceptance_by_position_hand_case():
 
 def test_tau_includes_bonus_and_se():
     a = np.array([0, 1, 3, 2, 3])
-    tau, se = E.mean_accepted_length(a)
+    tau, se = ES.mean_accepted_length(a)
     assert tau == pytest.approx(2.8)  # (0+1+3+2+3)/5 accepted + 1 emitted by the target
     assert se == pytest.approx(np.std(a, ddof=1) / math.sqrt(5))
-    assert E.mean_accepted_length([3, 3, 3])[0] == 4.0  # γ = 3 all accepted: γ + 1 tokens
+    assert ES.mean_accepted_length([3, 3, 3])[0] == 4.0  # γ = 3 all accepted: γ + 1 tokens
 
 
 def test_expected_tau_from_alphas():
-    assert E.expected_tau([0.5, 0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
-    assert E.expected_tau([1.0, 1.0]) == 3.0
-    assert E.expected_tau([0.0, 1.0, 1.0]) == 1.0
-    np.testing.assert_allclose(E.expected_tau([[0.8, 0.5], [1.0, 0.0]]),
+    assert ES.expected_tau([0.5, 0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert ES.expected_tau([1.0, 1.0]) == 3.0
+    assert ES.expected_tau([0.0, 1.0, 1.0]) == 1.0
+    np.testing.assert_allclose(ES.expected_tau([[0.8, 0.5], [1.0, 0.0]]),
                                [1 + 0.8 + 0.4, 2.0])
 
 
@@ -52,7 +55,7 @@ def test_linear_fit_matches_polyfit_and_standard_error():
     rng = np.random.default_rng(0)
     x = rng.uniform(0, 5, 200)
     y = 0.9 - 0.12 * x + rng.normal(0, 0.05, 200)
-    fit = E.linear_fit(x, y)
+    fit = ES.linear_fit(x, y)
     slope, intercept = np.polyfit(x, y, 1)
     assert fit["slope"] == pytest.approx(slope, rel=1e-10)
     assert fit["intercept"] == pytest.approx(intercept, rel=1e-10)
@@ -64,16 +67,16 @@ def test_linear_fit_matches_polyfit_and_standard_error():
     _, cov = np.polyfit(x, y, 1, cov="unscaled")
     assert fit["slope_se"] == pytest.approx(math.sqrt(cov[0, 0] * (resid ** 2).sum() / 198),
                                             rel=1e-8)
-    exact = E.linear_fit([0, 1, 2, 3], [1.0, 0.8, 0.6, 0.4])
+    exact = ES.linear_fit([0, 1, 2, 3], [1.0, 0.8, 0.6, 0.4])
     assert exact["slope"] == pytest.approx(-0.2) and exact["slope_se"] == pytest.approx(0, abs=1e-12)
-    assert math.isnan(E.linear_fit([1, 1, 1], [0, 1, 2])["slope"])  # no spread in x
+    assert math.isnan(ES.linear_fit([1, 1, 1], [0, 1, 2])["slope"])  # no spread in x
 
 
 def test_entropy_and_bins():
-    assert float(E.entropy(np.full(4, 0.25))) == pytest.approx(math.log(4))
-    assert float(E.entropy(np.array([0.0, 1.0, 0.0]))) == 0.0
-    assert float(E.entropy(jnp.array([0.5, 0.5]))) == pytest.approx(math.log(2), rel=1e-6)
-    b = E.binned_means([0.1, 0.2, 1.5, 2.5, 2.9], [1, 0, 1, 0.5, 0.5], [0, 1, 2, 3])
+    assert float(ES.entropy(np.full(4, 0.25))) == pytest.approx(math.log(4))
+    assert float(ES.entropy(np.array([0.0, 1.0, 0.0]))) == 0.0
+    assert float(ES.entropy(jnp.array([0.5, 0.5]))) == pytest.approx(math.log(2), rel=1e-6)
+    b = ES.binned_means([0.1, 0.2, 1.5, 2.5, 2.9], [1, 0, 1, 0.5, 0.5], [0, 1, 2, 3])
     assert b["n"] == [2, 1, 2]
     np.testing.assert_allclose(b["mean"], [0.5, 1.0, 0.5])
     np.testing.assert_allclose(b["center"], [0.5, 1.5, 2.5])
@@ -81,11 +84,12 @@ def test_entropy_and_bins():
 
 def test_summarize_hand_case():
     # 4 steps, γ = 2; analytic acceptance 0.5 everywhere; entropy = 2 − 2·alpha exactly
-    rec = E.StepRecords(num_accepted=np.array([0, 1, 2, 2]),
-                        accept_prob=np.array([[0.9, 0.4], [0.5, 0.6], [0.7, 0.8], [0.3, 0.2]]),
-                        tv=np.zeros((4, 2)), entropy=np.zeros((4, 2)), entropy_raw=np.zeros((4, 2)))
+    rec = ES.StepRecords(num_accepted=np.array([0, 1, 2, 2]),
+                         accept_prob=np.array([[0.9, 0.4], [0.5, 0.6], [0.7, 0.8], [0.3, 0.2]]),
+                         tv=np.zeros((4, 2)), entropy=np.zeros((4, 2)),
+                         entropy_raw=np.zeros((4, 2)))
     rec.entropy = 2.0 - 2.0 * rec.accept_prob
-    m = E.summarize(rec)
+    m = ES.summarize(rec)
     assert m["tau"] == pytest.approx(1 + 5 / 4)
     assert m["accept_rate"] == pytest.approx(5 / 4 / 2)
     np.testing.assert_allclose(m["acceptance"], [3 / 4, 2 / 3])
@@ -105,10 +109,17 @@ def test_predicted_tau_matches_measured_for_independent_positions():
     u = rng.uniform(size=(n, 3))
     acc = u < alpha
     num = np.argmin(np.concatenate([acc, np.zeros((n, 1), bool)], 1), axis=1)  # first rejection
-    tau, se = E.mean_accepted_length(num)
-    assert abs(tau - E.expected_tau(alpha)) < 4 * se
-    rate, _ = E.acceptance_by_position(num, 3)
+    tau, se = ES.mean_accepted_length(num)
+    assert abs(tau - ES.expected_tau(alpha)) < 4 * se
+    rate, _ = ES.acceptance_by_position(num, 3)
     np.testing.assert_allclose(rate, alpha, atol=0.02)
+
+
+def test_evaluation_reexports_statistics():
+    # users import the statistics from specjax.evaluation as well as from where they live
+    for name in ES.__all__:
+        assert getattr(E, name) is getattr(ES, name), name
+        assert name in E.__all__, name
 
 
 def test_anchor_positions():
@@ -149,7 +160,7 @@ def test_self_drafting_accepts_everything(common):
         np.testing.assert_array_equal(rec.num_accepted, 3, err_msg=str(cell))
         np.testing.assert_allclose(rec.accept_prob, 1.0, atol=1e-5)
         np.testing.assert_allclose(rec.tv, 0.0, atol=1e-5)
-        m = E.summarize(rec)
+        m = ES.summarize(rec)
         assert m["tau"] == 4.0 and m["tau_pred"] == pytest.approx(4.0, abs=1e-4)
     assert recs[("rejection", 1.0)].entropy.mean() > 0.3  # a sharp but not one-hot target
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from experiments import reproduce_tables as R
-from specjax import evaluation as E
+from specjax import evaluation_stats as ES
 from specjax import stats as S
 
 
@@ -29,7 +29,7 @@ def test_clustered_slope_se_by_hand():
     # var = 2/1 · 0.125 / 25 -> s.e. 0.1
     se = S.clustered_slope_se([0, 1, 2, 3], [0, 1, 1, 3], [0, 0, 1, 1])
     assert se == pytest.approx(0.1)
-    fit = E.linear_fit([0, 1, 2, 3], [0, 1, 1, 3], clusters=[0, 0, 1, 1])
+    fit = ES.linear_fit([0, 1, 2, 3], [0, 1, 1, 3], clusters=[0, 0, 1, 1])
     assert fit["slope"] == pytest.approx(0.9)
     assert fit["slope_se_clustered"] == pytest.approx(0.1)
     assert np.isnan(S.clustered_slope_se([0, 1, 2], [0, 1, 3], [5, 5, 5]))  # one cluster
@@ -45,7 +45,7 @@ def test_duplicating_observations_inside_clusters_leaves_the_clustered_se_unchan
     assert S.clustered_mean(y2, c2)[1] == pytest.approx(S.clustered_mean(y, c)[1], rel=1e-12)
     assert S.clustered_slope_se(x2, y2, c2) == pytest.approx(S.clustered_slope_se(x, y, c),
                                                              rel=1e-12)
-    iid, iid2 = E.linear_fit(x, y)["slope_se"], E.linear_fit(x2, y2)["slope_se"]
+    iid, iid2 = ES.linear_fit(x, y)["slope_se"], ES.linear_fit(x2, y2)["slope_se"]
     assert iid2 < 0.75 * iid
 
 
@@ -72,14 +72,15 @@ def test_clustered_se_matches_the_spread_of_the_estimate_under_row_effects():
 
 def _records(num_accepted, rows, gamma=2):
     n = len(num_accepted)
-    return E.StepRecords(num_accepted=np.asarray(num_accepted), accept_prob=np.full((n, gamma), .5),
-                         tv=np.zeros((n, gamma)), entropy=np.zeros((n, gamma)),
-                         entropy_raw=np.zeros((n, gamma)), row=np.asarray(rows))
+    return ES.StepRecords(num_accepted=np.asarray(num_accepted),
+                          accept_prob=np.full((n, gamma), .5), tv=np.zeros((n, gamma)),
+                          entropy=np.zeros((n, gamma)), entropy_raw=np.zeros((n, gamma)),
+                          row=np.asarray(rows))
 
 
 def test_summarize_clusters_by_row_and_keeps_per_row_sums():
     rec = _records([0, 1, 2, 2], [0, 0, 1, 1])
-    m = E.summarize(rec)
+    m = ES.summarize(rec)
     assert m["per_row"] == {"row": [0, 1], "steps": [2, 2], "accepted": [1, 4]}
     assert m["n_rows"] == 2
     # accepted per step: clustered s.e. of the mean (as in test_clustered_mean_by_hand)
@@ -90,8 +91,8 @@ def test_summarize_clusters_by_row_and_keeps_per_row_sums():
 
 def test_concat_keeps_rows_of_one_set_and_separates_different_sets():
     a, b = _records([0, 1], [0, 1]), _records([2, 2], [0, 1])
-    np.testing.assert_array_equal(E.StepRecords.concat([a, b]).row, [0, 1, 0, 1])
-    np.testing.assert_array_equal(E.StepRecords.concat([a, b], distinct_rows=True).row,
+    np.testing.assert_array_equal(ES.StepRecords.concat([a, b]).row, [0, 1, 0, 1])
+    np.testing.assert_array_equal(ES.StepRecords.concat([a, b], distinct_rows=True).row,
                                   [0, 1, 2, 3])
 
 
@@ -182,7 +183,7 @@ def test_calibration_halves_split_by_row():
     recs = [_records(np.zeros(rows_a.size, int), rows_a),
             _records(np.zeros(5, int), [0, 0, 1, 2, 2])]
     fit, score = split_halves(recs, seed=3)
-    all_rows = E.StepRecords.concat(recs, distinct_rows=True).row
+    all_rows = ES.StepRecords.concat(recs, distinct_rows=True).row
     assert sorted(np.concatenate([fit, score]).tolist()) == list(range(all_rows.size))
     assert not set(all_rows[fit]) & set(all_rows[score])
     assert len(set(all_rows[fit])) == len(np.unique(all_rows)) // 2
