@@ -348,7 +348,7 @@ def main(argv=None):
         base = EngineConfig(num_slots=c, max_len=max_len, gamma=gamma,
                             prefill_buckets=(args.prompt_len,), filters=False,
                             loop=args.loop, loop_steps=args.loop_steps)
-        from specjax.scheduling import SPSProfile
+        from specjax.buckets import SPSProfile
         block = report["closed_loop"][c]
         prof = SPSProfile.from_dict(block["sps"])
         own = {k[4:]: SPSProfile.from_dict(v) for k, v in block.items() if k.startswith("sps_")}

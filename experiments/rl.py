@@ -84,7 +84,7 @@ def run(config, workdir: str) -> dict:
     from specjax.engine import EngineConfig
     from specjax.rl import SpeculativeRollout, TunixPolicy
     from specjax.rl import task as T
-    from specjax import scheduling
+    from specjax.buckets import prompt_chunk_buckets
     from specjax.scheduling import SchedulerConfig
 
     if config.task.reward not in ("math", "digits"):
@@ -103,7 +103,7 @@ def run(config, workdir: str) -> dict:
     engine_config = EngineConfig(
         num_slots=e.num_slots, max_len=max_len, gamma=e.gamma, method=e.method,
         prefill_buckets=tuple(e.prefill_buckets) or
-        scheduling.prompt_chunk_buckets(r.max_prompt_length),
+        prompt_chunk_buckets(r.max_prompt_length),
         scheduler=SchedulerConfig("fixed", k=e.gamma), overlap=e.overlap,
         filters=r.top_p < 1.0)  # no top-p: no sort over the vocabulary compiled into the loop
     rollout_config = RolloutConfig(

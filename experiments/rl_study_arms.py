@@ -116,7 +116,7 @@ class StudyRollout(SpeculativeRollout):
 def study_engine_config(p, method: str, gamma=None):
     """The engine every arm rolls out with: ``p["num_slots"]`` slots, room for the longest prompt
     and completion plus one draft block, γ drafts per step (``p["gamma"]`` unless given)."""
-    from specjax import scheduling
+    from specjax.buckets import prompt_chunk_buckets
     from specjax.engine import EngineConfig
     from specjax.scheduling import SchedulerConfig
     gamma = p["gamma"] if gamma is None else int(gamma)
@@ -126,7 +126,7 @@ def study_engine_config(p, method: str, gamma=None):
         # prompts are fed in chunks that pad them by fewer than 8 positions (35 tokens: 32 + 8;
         # one 128-position chunk made admitting a batch about 3x slower:
         # benchmarks/results/rl_rollout_speed*.json, prefill_s)
-        prefill_buckets=scheduling.prompt_chunk_buckets(p["max_prompt_length"]),
+        prefill_buckets=prompt_chunk_buckets(p["max_prompt_length"]),
         scheduler=SchedulerConfig("fixed", k=gamma), overlap=False,
         # the study samples at a temperature alone: no top-k / top-p sort over the vocabulary in
         # the loop (it made every rollout 2.1-2.7x slower and changes no token:

@@ -11,7 +11,7 @@ replays those traces through each policy at each concurrency::
         --out experiments/results/sched_sim
 
 ``--profile FILE.json`` skips the compilation and reads an SPS profile instead (the JSON of
-:class:`specjax.scheduling.SPSProfile`, e.g. one the engine measured, or the ``sps_profile.json``
+:class:`specjax.buckets.SPSProfile`, e.g. one the engine measured, or the ``sps_profile.json``
 an earlier run wrote). ``--quick`` compiles nothing and uses a small synthetic profile (tests).
 
 Writes ``sim.json`` (every cell), ``sim.md`` (tables and the answers below) and ``sim.png``
@@ -33,8 +33,9 @@ import os
 import textwrap
 import time
 
+from specjax.buckets import SPSProfile
 from specjax.sched_sim import Traces, sweep
-from specjax.scheduling import SchedulerConfig, SPSProfile
+from specjax.scheduling import SchedulerConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TRACES = os.path.join(REPO, "experiments", "results", "full", "dspark_g7",

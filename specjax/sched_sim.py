@@ -32,7 +32,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from specjax import scheduling
-from specjax.scheduling import SchedulerConfig, SPSProfile
+from specjax.buckets import SPSProfile
+from specjax.scheduling import SchedulerConfig
 
 __all__ = ["Traces", "SimResult", "simulate", "sweep"]
 

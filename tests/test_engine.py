@@ -10,6 +10,7 @@ from flax import nnx
 from _shared_once import count_compiles
 from scipy import stats
 
+from specjax.buckets import SPSProfile
 from specjax.drafters import (DraftLMDrafter, DraftOutput, DSparkConfig, DSparkDrafter,
                               MTPConfig, MTPDrafter, NGramDrafter, dflash_config, shared_head)
 from specjax.drafters.base import draw
@@ -19,7 +20,7 @@ from specjax.models.config import ModelConfig as _MC
 from specjax.models.generate import generate
 from specjax.models.kv_cache import NewKV
 from specjax.models.transformer import ForwardOutput
-from specjax.scheduling import SchedulerConfig, SPSProfile
+from specjax.scheduling import SchedulerConfig
 
 pytestmark = pytest.mark.xdist_group("engine")
 
@@ -133,7 +134,7 @@ def test_temperature0_equals_greedy_decoding_under_mixed_load(target, kind, loop
 
 @pytest.mark.parametrize("loop", ["device", "host"])
 def test_prefill_plan_feeds_prompts_in_planned_chunks_without_changing_tokens(target, loop):
-    """Admission feeds prompts in the chunks :func:`specjax.scheduling.plan_chunks` plans for the
+    """Admission feeds prompts in the chunks :func:`specjax.buckets.plan_chunks` plans for the
     longest prompt admitted: with buckets (2, 8), 10 tokens go in as 8 + 2 (not 8 + 8) and 5 as
     2 + 2 + 2 (not 8). Greedy outputs equal plain greedy decoding, so every chunk wrote the cache
     and the drafter's state as one call would have."""
@@ -250,7 +251,7 @@ def test_temperature1_engine_with_scheduler_is_lossless(target, policy, draft_s,
     whether a step drafts at all is decided from stale confidences too. ``calibrate``: the
     policies read confidences calibrated online on the verifier's past decisions. Prefill
     buckets (2, 8) feed the 3-token prompt in two chunks (2 + 2,
-    :func:`specjax.scheduling.plan_chunks`), so chunked prefill is under the same test.
+    :func:`specjax.buckets.plan_chunks`), so chunked prefill is under the same test.
     """
     d, p, f = _drafter("dspark", target)
     cfg = EngineConfig(num_slots=4, max_len=24, gamma=3, prefill_buckets=(2, 8),

@@ -18,11 +18,12 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from test_engine import CFG, _drafter, _greedy_reference, target  # noqa: E402,F401
 
+from specjax.buckets import SPSProfile  # noqa: E402
 from specjax.drafters.base import Sampling  # noqa: E402
 from specjax.engine import Engine, EngineConfig, Request  # noqa: E402
 from specjax.engine.device_loop import plain_step, init_loop_state  # noqa: E402
 from specjax.engine.steps import verify_core  # noqa: E402
-from specjax.scheduling import SchedulerConfig, SPSProfile  # noqa: E402
+from specjax.scheduling import SchedulerConfig  # noqa: E402
 
 
 def _prefilled_engine(target, kind, slots=2):

@@ -2,8 +2,9 @@
 import numpy as np
 import pytest
 
+from specjax.buckets import SPSProfile
 from specjax.sched_sim import SimResult, Traces, simulate, sweep
-from specjax.scheduling import SchedulerConfig, SPSProfile
+from specjax.scheduling import SchedulerConfig
 
 G = 4
 

@@ -1,78 +1,22 @@
-"""Host-side scheduling: buckets, SPS profile, Algorithm 1, production form, Appendix A bias."""
+"""Host-side scheduling policies: Algorithm 1, production form, Appendix A bias."""
 import itertools
 
 import numpy as np
 import pytest
 from scipy import stats
 
+from specjax import buckets
 from specjax import scheduling as S
+from specjax.buckets import SPSProfile
 
 
-def test_pick_bucket_bisect_and_errors():
-    buckets = S.validate_buckets([32, 8, 16, 16])
-    assert buckets == [8, 16, 32]
-    assert [S.pick_bucket(buckets, n) for n in (1, 8, 9, 16, 17, 32)] == [8, 8, 16, 16, 32, 32]
-    with pytest.raises(ValueError, match="exceed the largest bucket"):
-        S.pick_bucket(buckets, 33)
-    with pytest.raises(ValueError, match="positive"):
-        S.validate_buckets([0, 4])
-    assert S.default_buckets(40) == [8, 16, 32, 40]
-
-
-def test_plan_chunks_pads_least_then_calls_least():
-    b = [8, 16, 32, 64, 128]
-    # 35: 32 + 8 = 40 positions (one call at 64 would pad 29; 8 x 5 = 40 takes 5 calls)
-    assert S.plan_chunks(b, 35) == [32, 8]
-    assert S.plan_chunks(b, 32) == [32]
-    assert S.plan_chunks(b, 9) == [16]  # 16 positions either way: one call, not 8 + 8
-    assert S.plan_chunks(b, 200) == [128, 64, 8]
-    assert S.plan_chunks(b, 1) == [8]
-    # longer than the largest bucket: full chunks of it first, the rest planned the same way
-    assert S.plan_chunks([16, 64, 256], 300) == [256, 16, 16, 16]
-    assert S.plan_chunks([32, 128], 35) == [32, 32]
-    # a price per call: 35 as [32, 8] costs 40 + 2 * 32 = 104, as [64] 64 + 32 = 96
-    assert S.plan_chunks(b, 35, call_cost=32) == [64]
-    assert S.plan_chunks(b, 35, call_cost=8) == [32, 8]  # 56 against 72
-    for n in range(1, 300):  # every chunk but the last full: the plan covers n, wastes < 8
-        plan = S.plan_chunks(b, n)
-        assert sum(plan[:-1]) < n <= sum(plan) < n + 8, (n, plan)
-    assert S.prompt_chunk_buckets(96) == (8, 32, 128)
-    assert S.prompt_chunk_buckets(8) == (8,) and S.prompt_chunk_buckets(9) == (8, 32)
-    with pytest.raises(ValueError, match=">= 1"):
-        S.plan_chunks(b, 0)
-    with pytest.raises(ValueError, match="call_cost"):
-        S.plan_chunks(b, 5, call_cost=-1)
-
-
-def test_sps_profile_step_table_and_cache(tmp_path):
-    calls = []
-    fake_time = iter(np.arange(0, 1000, 0.5))  # each run_bucket takes 0.5 "s" of the fake clock
-
-    def run_bucket(b):
-        calls.append(b)
-
-    prof = S.profile_sps(run_bucket, [4, 8], key="cpu/model", reps=3, warmup=1,
-                         cache_path=str(tmp_path / "sps.json"), clock=lambda: next(fake_time))
-    assert prof.buckets == (4, 8) and np.allclose(prof.steps_per_s, 2.0)
-    assert calls == [4] * 4 + [8] * 4
-    table = prof.table()
-    assert table.shape == (9,) and np.all(table == 2.0)
-    # Reused when the key matches (no new calls), re-measured when it does not.
-    again = S.profile_sps(run_bucket, [4, 8], key="cpu/model", cache_path=str(tmp_path / "sps.json"))
-    assert again == prof and len(calls) == 8
-    S.profile_sps(run_bucket, [4, 8], key="other", reps=1, warmup=0,
-                  cache_path=str(tmp_path / "sps.json"), clock=lambda: next(fake_time))
-    assert len(calls) == 10
-    step = S.SPSProfile((2, 4), (10.0, 5.0)).table()
-    np.testing.assert_array_equal(step, [10, 10, 10, 5, 5])
-    # The drafting step is timed too (0.5 "s") and saved / loaded with the profile.
-    drafts = []
-    with_draft = S.profile_sps(run_bucket, [4, 8], key="d", reps=3, warmup=1,
-                               cache_path=str(tmp_path / "sps_d.json"),
-                               clock=lambda: next(fake_time), run_draft=lambda: drafts.append(1))
-    assert with_draft.draft_s == 0.5 and len(drafts) == 4
-    np.testing.assert_allclose(with_draft.table_with_draft(), 1 / (0.5 + 0.5))
-    assert S.SPSProfile.load(str(tmp_path / "sps_d.json")) == with_draft
+def test_bucket_names_are_importable_from_scheduling():
+    """Users import the bucket and profile names from :mod:`specjax.scheduling`."""
+    for name in ("SPSProfile", "default_buckets", "pick_bucket", "plan_chunks", "profile_sps",
+                 "prompt_chunk_buckets", "validate_buckets"):
+        assert getattr(S, name) is getattr(buckets, name)
+        assert name in S.__all__
+    assert all(hasattr(S, name) for name in S.__all__)
 
 
 def _brute_force_best(conf, sps):
@@ -140,20 +84,20 @@ def test_production_form_never_exceeds_budget_and_admits_by_live_rank():
 def test_budget_search_prices_drafting():
     """Budget 0 means no drafting: it is scored without the drafting cost, budgets > 0 with it."""
     conf = np.array([[0.8, 0.5], [0.6, 0.5]])  # a = [[.8, .4], [.6, .3]]
-    prof = S.SPSProfile((2, 4, 6), (10.0, 8.0, 5.0))
+    prof = SPSProfile((2, 4, 6), (10.0, 8.0, 5.0))
     # Free drafting: Θ(0) = 2·10 = 20; Θ(1) = 2.8·8 = 22.4; Θ(2) = 3.4·8 = 27.2 (best);
     # Θ(3) = 3.8·5 = 19; Θ(4) = 4.1·5 = 20.5.
     assert S.budget_search(conf, prof.table()) == 2
     # Drafting costs 0.05 s: with-draft SPS = 1/(1/8 + .05) = 5.714 (B ≤ 4), 1/(.2 + .05) = 4
     # (B ≤ 6): Θ(2) = 3.4·5.714 = 19.43 < Θ(0) = 20 -> do not draft.
-    costly = S.SPSProfile((2, 4, 6), (10.0, 8.0, 5.0), draft_s=0.05)
+    costly = SPSProfile((2, 4, 6), (10.0, 8.0, 5.0), draft_s=0.05)
     np.testing.assert_allclose(costly.table_with_draft()[3:5], 1 / (1 / 8 + 0.05))
     assert S.budget_search(conf, costly.table(), sps_table_draft=costly.table_with_draft()) == 0
     # 0.03 s: Θ(2) = 3.4/(0.125 + 0.03) = 21.94 > 20 -> budget 2 again.
-    cheap = S.SPSProfile((2, 4, 6), (10.0, 8.0, 5.0), draft_s=0.03)
+    cheap = SPSProfile((2, 4, 6), (10.0, 8.0, 5.0), draft_s=0.03)
     assert S.budget_search(conf, cheap.table(), sps_table_draft=cheap.table_with_draft()) == 2
     with pytest.raises(ValueError, match="draft_s"):
-        S.SPSProfile((2,), (1.0,), draft_s=-1.0)
+        SPSProfile((2,), (1.0,), draft_s=-1.0)
 
 
 def test_simple_policies():

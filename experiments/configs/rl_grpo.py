@@ -44,8 +44,8 @@ def get_config(arg: str | None = None):
     c.engine.gamma = 3
     c.engine.num_slots = 16
     c.engine.overlap = False  # False + a fixed draft length: acceptance per position is measured
-    # compiled prompt chunk sizes, fed as specjax.scheduling.plan_chunks plans; () = 8, 32, 128, ...
-    # up to the longest prompt (specjax.scheduling.prompt_chunk_buckets)
+    # compiled prompt chunk sizes, fed as specjax.buckets.plan_chunks plans; () = 8, 32, 128, ...
+    # up to the longest prompt (specjax.buckets.prompt_chunk_buckets)
     c.engine.prefill_buckets = ()
 
     c.task = ml_collections.ConfigDict()

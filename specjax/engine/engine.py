@@ -12,7 +12,8 @@ Rooms (one concept per file)::
     steps.py            the jitted draft / flattened verify / prefill steps          device
     step_costs.py       SPS profile from each step timed alone in a device loop     device
     loop_profile.py     production's SPS profile timed on its own loop program      device
-    specjax.scheduling  the policies in numpy (references) and the SPS profile       host
+    specjax.scheduling  the policies in numpy (references)                           host
+    specjax.buckets     token / prefill buckets, chunk plans and the SPS profile     host
 
 A step drafts γ tokens per slot, chooses each request's verification length ℓ, verifies the
 ``Σ(1+ℓ)`` tokens in the smallest compiled token bucket (one flattened target forward), commits
@@ -45,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import scheduling
+from specjax.buckets import SPSProfile, plan_chunks, profile_sps, validate_buckets
 from specjax.drafters.base import Sampling
 from specjax.engine.device_driver import DeviceLoopMixin
 from specjax.engine import online_calibration as oc
@@ -87,7 +88,7 @@ class Engine(HostLoopMixin, DeviceLoopMixin):
                              f"confidence head; {type(drafter).__name__} has none")
         self.buckets = config.buckets
         self.verify_impl = resolve_impl(config.verify_impl)
-        self.prefill_buckets = scheduling.validate_buckets(config.prefill_buckets)
+        self.prefill_buckets = validate_buckets(config.prefill_buckets)
         s = config.num_slots
         self.raise_errors = False
         leaf_devices = jax.tree.leaves(self.target_state)[0].devices()
@@ -107,7 +108,7 @@ class Engine(HostLoopMixin, DeviceLoopMixin):
         self._conf_prior = np.full(config.gamma, 0.5)  # production: confidences of new requests
         self._conf_prior_seen = False
         self._steps_without_draft = 0
-        self.sps: Optional[scheduling.SPSProfile] = None
+        self.sps: Optional[SPSProfile] = None
         self.sps_table = np.ones(self.buckets[-1] + 1)
         self.sps_table_draft = self.sps_table  # SPS of a step that drafts (no profile: equal)
         self.stats: list[StepStats] = []  # host loop: one per step
@@ -216,8 +217,8 @@ class Engine(HostLoopMixin, DeviceLoopMixin):
         # Every chunk but the last is full, so the longest prompt takes every chunk of the plan
         # and each shorter one finishes within it.
         t0 = time.perf_counter()
-        for c in scheduling.plan_chunks(self.prefill_buckets, longest,
-                                        call_cost=self.config.prefill_call_cost):
+        for c in plan_chunks(self.prefill_buckets, longest,
+                             call_cost=self.config.prefill_call_cost):
             remaining = {i: len(self.slots[i].request.prompt) - self.slots[i].prompt_done
                          for i in new if self.slots[i] is not None}  # None: finished at once
             todo = [i for i, n in remaining.items() if n > 0]
@@ -399,19 +400,19 @@ class Engine(HostLoopMixin, DeviceLoopMixin):
         for b in self.buckets:
             run_bucket(b)
         if profile:
-            self._set_profile(scheduling.profile_sps(
+            self._set_profile(profile_sps(
                 run_bucket, self.buckets, key=key, reps=self.config.profile_reps, warmup=0,
                 cache_path=self.config.sps_cache,
                 run_draft=lambda: jax.block_until_ready(self._draft())))
 
-    def _cached_profile(self, key: str, measure) -> scheduling.SPSProfile:
+    def _cached_profile(self, key: str, measure) -> SPSProfile:
         """The device loop's SPS profile: ``measure(key)`` (production: its own loop timed,
         :func:`~specjax.engine.loop_profile.production_loop_profile`; Algorithm 1: steps timed
         inside device loops, :func:`~specjax.engine.step_costs.device_loop_profile`), or the one
         saved at ``config.sps_cache`` under the same key."""
         path = self.config.sps_cache
         if path and os.path.exists(path):
-            saved = scheduling.SPSProfile.load(path)
+            saved = SPSProfile.load(path)
             if saved.key == key and list(saved.buckets) == self.buckets:
                 return saved
         prof = measure(key)
@@ -419,13 +420,13 @@ class Engine(HostLoopMixin, DeviceLoopMixin):
             prof.save(path)
         return prof
 
-    def set_sps(self, profile: scheduling.SPSProfile) -> None:
+    def set_sps(self, profile: SPSProfile) -> None:
         """Uses a given SPS profile (e.g. a hand-made one in tests)."""
         if list(profile.buckets) != self.buckets:
             raise ValueError(f"profile buckets {profile.buckets} != engine buckets {self.buckets}")
         self._set_profile(profile)
 
-    def _set_profile(self, profile: scheduling.SPSProfile) -> None:
+    def _set_profile(self, profile: SPSProfile) -> None:
         self.sps, self.sps_table = profile, profile.table()
         self.sps_table_draft = profile.table_with_draft()
         if self.config.loop == "device":

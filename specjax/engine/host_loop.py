@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from specjax import scheduling
+from specjax.buckets import pick_bucket
 from specjax.drafters.base import DraftOutput
 from specjax.engine.requests import CONFIDENCE_POLICIES, StepStats
 from specjax.engine.steps import DeviceState, draft_step, merge_rows, verify_step
@@ -166,7 +167,7 @@ class HostLoopMixin:
         ts = time.perf_counter()
         num_draft = self._schedule(conf, budget)
         n_tokens = int(np.sum(num_draft[num_draft >= 0] + 1))
-        bucket = scheduling.pick_bucket(self.buckets, n_tokens)
+        bucket = pick_bucket(self.buckets, n_tokens)
         schedule_s = time.perf_counter() - ts + budget_s
         sampling = self._sampling()
         keys = self._slot_keys(2)

@@ -24,7 +24,7 @@ import time
 import jax
 import numpy as np
 
-from specjax import scheduling
+from specjax.buckets import SPSProfile
 from specjax.engine.device_driver import STOP_WIDTH
 from specjax.engine.device_loop import init_loop_state, run_loop
 from specjax.engine.step_costs import default_context
@@ -32,10 +32,10 @@ from specjax.engine.step_costs import default_context
 _HUGE, _TINY = 1e30, 1e-30
 
 
-def production_loop_profile(eng, *, reps: int = 3, key: str = "") -> scheduling.SPSProfile:
+def production_loop_profile(eng, *, reps: int = 3, key: str = "") -> SPSProfile:
     """The production engine's SPS profile, timed on its device loop (module docstring).
 
-    Returns an :class:`~specjax.scheduling.SPSProfile` whose ``steps_per_s[b]`` is the rate of a
+    Returns an :class:`~specjax.buckets.SPSProfile` whose ``steps_per_s[b]`` is the rate of a
     whole drafting step (draft, policy, verification in bucket ``b``, commits, emit), so
     ``draft_s = 0``, and ``plain_s`` the time of a plain step. Bucket 1 cannot hold a drafting
     step (a draft needs its anchor too) and copies the plain rate. Leaves the engine idle.
@@ -107,5 +107,4 @@ def production_loop_profile(eng, *, reps: int = 3, key: str = "") -> scheduling.
     eng.state = eng.state._replace(
         cache=eng.state.cache.rollback(eng._put(np.zeros(s, np.int32))))
     eng._carry = None
-    return scheduling.SPSProfile(tuple(buckets), tuple(rates), key, draft_s=0.0,
-                                 plain_s=plain_s)
+    return SPSProfile(tuple(buckets), tuple(rates), key, draft_s=0.0, plain_s=plain_s)

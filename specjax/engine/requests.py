@@ -9,7 +9,7 @@ import collections
 import dataclasses
 from typing import Optional, Sequence
 
-from specjax import scheduling
+from specjax.buckets import default_buckets, validate_buckets
 from specjax.scheduling import SchedulerConfig
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -72,7 +72,7 @@ class EngineConfig:
     + γ + 1 must fit). gamma: drafts per step. token_buckets: compiled verification batch sizes
     (default: powers of two from 8 to S·(γ+1)); the largest must hold S·(γ+1).
     prefill_buckets: compiled prompt chunk sizes. The slots admitted together are fed in chunks
-    planned by :func:`specjax.scheduling.plan_chunks` for the longest of their prompts: the
+    planned by :func:`specjax.buckets.plan_chunks` for the longest of their prompts: the
     fewest padded positions, e.g. buckets (8, 32, 128) feed 35 tokens as 32 + 8, not as 128.
     prefill_call_cost: the fixed price of one prefill call in that plan, in positions (0: only
     padding counts, right where a call's time follows its bucket, as on a CPU; raise it where a
@@ -144,12 +144,12 @@ class EngineConfig:
                 0 <= self.profile_context <= self.max_len - self.gamma - 1):
             raise ValueError(f"EngineConfig.profile_context must be in [0, max_len - gamma - 1] = "
                              f"[0, {self.max_len - self.gamma - 1}], got {self.profile_context}")
-        scheduling.validate_buckets(self.prefill_buckets)
+        validate_buckets(self.prefill_buckets)
         if self.prefill_call_cost < 0:
             raise ValueError(f"EngineConfig.prefill_call_cost must be >= 0, "
                              f"got {self.prefill_call_cost}")
         if self.token_buckets is not None:
-            b = scheduling.validate_buckets(self.token_buckets)
+            b = validate_buckets(self.token_buckets)
             if b[-1] < self.num_slots * (self.gamma + 1):
                 raise ValueError(
                     f"EngineConfig.token_buckets: the largest bucket {b[-1]} must hold "
@@ -158,9 +158,9 @@ class EngineConfig:
     @property
     def buckets(self) -> list[int]:
         if self.token_buckets is not None:
-            return scheduling.validate_buckets(self.token_buckets)
-        return scheduling.default_buckets(self.num_slots * (self.gamma + 1),
-                                          min_bucket=min(8, self.num_slots))
+            return validate_buckets(self.token_buckets)
+        return default_buckets(self.num_slots * (self.gamma + 1),
+                               min_bucket=min(8, self.num_slots))
 
 
 @dataclasses.dataclass

@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax import scheduling
+from specjax.buckets import SPSProfile
 from specjax.engine.device_loop import LoopSpec, plain_step, bucketed_verify, init_loop_state
 from specjax.engine.steps import DeviceState
 
@@ -156,7 +156,7 @@ def default_context(config) -> int:
 
 
 def device_loop_profile(eng, *, reps: int = 3, n: int = 16, key: str = "",
-                        context: int | None = None) -> scheduling.SPSProfile:
+                        context: int | None = None) -> SPSProfile:
     """The engine's SPS profile measured in device loops (see :func:`profile_steps`).
 
     Per verification bucket: steps/s of a verification whose drafts fill the bucket. ``draft_s``:
@@ -167,6 +167,5 @@ def device_loop_profile(eng, *, reps: int = 3, n: int = 16, key: str = "",
     ctx = default_context(eng.config) if context is None else context
     fns, carries = profile_steps(eng, ctx)
     t = {name: loop_time(fn, carries[name], reps, n) for name, fn in fns.items()}
-    return scheduling.SPSProfile(tuple(eng.buckets), tuple(1.0 / t[f"verify/{b}"]
-                                                           for b in eng.buckets),
-                                 key, draft_s=t["draft"], plain_s=t["plain"])
+    return SPSProfile(tuple(eng.buckets), tuple(1.0 / t[f"verify/{b}"] for b in eng.buckets),
+                      key, draft_s=t["draft"], plain_s=t["plain"])
