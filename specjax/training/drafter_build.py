@@ -16,7 +16,7 @@ import jax
 import ml_collections
 from flax import nnx
 
-from specjax.drafters import (DraftLMDrafter, DSparkConfig, DSparkDrafter, MTPConfig, MTPDrafter)
+from specjax.drafters import DraftLMDrafter, DSparkConfig, DSparkDrafter, MTPConfig, MTPDrafter
 from specjax.drafters.dspark import DSparkModule
 from specjax.drafters.mtp import MTPHeads
 from specjax.models import ModelConfig, Transformer

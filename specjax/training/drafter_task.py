@@ -55,6 +55,9 @@ Metrics (always, whatever the loss; detached): ``ce``, ``top1``, ``tv`` (mean), 
 (teacher-forced per-position RS acceptance ``1 − tv_k``, k = 1..γ), ``accept_rate`` (``1 − e2e_tv``,
 the expected accepted drafts / γ of a block under rejection sampling), ``conf_bce`` (confidence
 heads), ``loss_weight``.
+
+The ``config.task`` fields with their checks, building the drafter and loading the target live in
+:mod:`specjax.training.drafter_build` (its public names are re-exported here).
 """
 from __future__ import annotations
 
