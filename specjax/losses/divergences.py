@@ -54,6 +54,17 @@ def ce_loss(
     return _masked(jax.nn.logsumexp(z, axis=-1) - picked, mask)
 
 
+def _log_q_and_p(draft_logits, target_probs, axis, where):
+    """The KL losses' common start: ``(log q, detached p, position mask, compute dtype)`` with the
+    vocabulary last; ``p`` keeps its input dtype."""
+    z = _vocab_last(jnp.asarray(draft_logits), axis)
+    p = _vocab_last(jax.lax.stop_gradient(jnp.asarray(target_probs)), axis)
+    _check_same_shape(z, p, "draft_logits", "target_probs")
+    mask = _position_mask(where, z.shape[:-1])
+    dt = _compute_dtype(z, p)
+    return jax.nn.log_softmax(z.astype(dt), axis=-1), p, mask, dt
+
+
 def kl_loss(
     draft_logits: jax.Array,
     target_probs: jax.Array,
@@ -80,12 +91,7 @@ def kl_loss(
     """
     _check_float("draft_logits", draft_logits)
     _check_float("target_probs", target_probs)
-    z = _vocab_last(jnp.asarray(draft_logits), axis)
-    p = _vocab_last(jax.lax.stop_gradient(jnp.asarray(target_probs)), axis)
-    _check_same_shape(z, p, "draft_logits", "target_probs")
-    mask = _position_mask(where, z.shape[:-1])
-    dt = _compute_dtype(z, p)
-    log_q = jax.nn.log_softmax(z.astype(dt), axis=-1)
+    log_q, p, mask, dt = _log_q_and_p(draft_logits, target_probs, axis, where)
     p = p.astype(dt)
     pos = p > 0
     # Double `where`: log(1) in the untaken branch keeps its forward and backward finite.
@@ -127,12 +133,7 @@ def reverse_kl_loss(
     _check_float("target_probs", target_probs)
     if not math.isfinite(log_p_floor):
         raise ValueError(f"log_p_floor must be finite, got {log_p_floor}")
-    z = _vocab_last(jnp.asarray(draft_logits), axis)
-    p = _vocab_last(jax.lax.stop_gradient(jnp.asarray(target_probs)), axis)
-    _check_same_shape(z, p, "draft_logits", "target_probs")
-    mask = _position_mask(where, z.shape[:-1])
-    dt = _compute_dtype(z, p)
-    log_q = jax.nn.log_softmax(z.astype(dt), axis=-1)
+    log_q, p, mask, dt = _log_q_and_p(draft_logits, target_probs, axis, where)
     q = jnp.exp(log_q)
     log_p = jnp.maximum(jnp.log(p.astype(dt)), log_p_floor)  # log 0 = -inf -> floor, no NaN
     nz = q > 0
