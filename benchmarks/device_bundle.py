@@ -48,7 +48,8 @@ def _pin(name: str, constraints: str = "constraints.txt") -> str:
 
 def _save_params(params, step: int, workdir: str) -> None:
     import orbax.checkpoint as ocp
-    manager = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"))
+    from specjax.training.checkpoint import run_checkpoints_dir
+    manager = ocp.CheckpointManager(run_checkpoints_dir(workdir))
     try:
         manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave({"params": params})))
         manager.wait_until_finished()
@@ -58,10 +59,11 @@ def _save_params(params, step: int, workdir: str) -> None:
 
 def _newest_step(workdir: str) -> int:
     import orbax.checkpoint as ocp
+    from specjax.training.checkpoint import run_checkpoints_dir
     if not os.path.isfile(os.path.join(workdir, "config.json")) \
             or not os.path.isdir(os.path.join(workdir, "checkpoints")):
         raise SystemExit(f"{workdir}: not a specjax run workdir (no config.json / checkpoints/)")
-    manager = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"))
+    manager = ocp.CheckpointManager(run_checkpoints_dir(workdir))
     try:
         step = manager.latest_step()
     finally:
@@ -130,6 +132,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--python-version", default="3.12", help="the device's Python (for wheels)")
     ap.add_argument("--no-wheels", action="store_true")
     args = ap.parse_args(argv)
+    # --drafter specs are checked before anything is removed or packed
+    drafters = [spec.partition("=") for spec in args.drafter]
+    for spec, (name, sep, path) in zip(args.drafter, drafters):
+        if not sep or not name or not path:
+            raise SystemExit(f"--drafter wants name=workdir, got {spec!r}")
     if os.path.exists(args.out):
         # Replace an earlier bundle, never some other directory given by mistake.
         if os.listdir(args.out) and not os.path.isfile(os.path.join(args.out, "bundle.json")):
@@ -138,10 +145,7 @@ def main(argv=None) -> dict:
         shutil.rmtree(args.out)
     summary = {"target": pack_target(args.target, os.path.join(args.out, "target")),
                "drafters": {}}
-    for spec in args.drafter:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise SystemExit(f"--drafter wants name=workdir, got {spec!r}")
+    for name, _, path in drafters:
         summary["drafters"][name] = pack_drafter(path, os.path.join(args.out, "drafters", name))
     if not args.no_wheels:
         summary["wheels"] = download_wheels(os.path.join(args.out, "wheels"), args.python_version)
