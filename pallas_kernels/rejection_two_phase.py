@@ -117,13 +117,16 @@ def _race_kernel(*refs, k, rows, vocab, block_v, tiles):
 
 
 def _cost(bsz, k, vocab, noise_lanes, p_item, q_item, e_item):
-    """The two phases' traffic: per batch row, ``K`` 128-lane chunks of ``p`` and ``q``, then one
-    row of each (``V`` values) and the noise row in whole tiles; plus the small inputs/outputs."""
-    chunks = bsz * k * _CHUNK * (p_item + q_item)
-    rows = bsz * vocab * (p_item + (q_item if k else 0)) + bsz * noise_lanes * e_item
+    """Each phase's :class:`pl.CostEstimate`, ``(accept, race)``. Phase 1 reads, per batch row,
+    ``K`` 128-lane chunks of ``p`` and ``q``; phase 2 one row of each (``V`` values) and the noise
+    row in whole tiles; both move the small inputs / outputs."""
     small = bsz * (k + 1) * 4 * 4
-    flops = bsz * k * _CHUNK * 4 + bsz * noise_lanes * 12
-    return chunks, rows, small, flops
+    accept = pl.CostEstimate(flops=int(bsz * k * _CHUNK * 4), transcendentals=0,
+                             bytes_accessed=int(bsz * k * _CHUNK * (p_item + q_item) + small))
+    race_bytes = bsz * vocab * (p_item + (q_item if k else 0)) + bsz * noise_lanes * e_item
+    race = pl.CostEstimate(flops=int(bsz * noise_lanes * 12), transcendentals=0,
+                           bytes_accessed=int(race_bytes + small))
+    return accept, race
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "interpret"))
@@ -155,7 +158,7 @@ def rejection_sample_two_phase(draft_tokens, draft_probs, target_probs, uniforms
     tiles = pl.cdiv(vocab, bv)
     p_item, e_item = target_probs.dtype.itemsize, exponentials.dtype.itemsize
     q_item = draft_probs.dtype.itemsize
-    chunks, row_bytes, small, flops = _cost(bsz, k, vocab, tiles * bv, p_item, q_item, e_item)
+    accept_cost, race_cost = _cost(bsz, k, vocab, tiles * bv, p_item, q_item, e_item)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
 
     if k:
@@ -171,8 +174,7 @@ def rejection_sample_two_phase(draft_tokens, draft_probs, target_probs, uniforms
             out_shape=[jax.ShapeDtypeStruct((bsz, k, 1), jnp.float32)] * 2,
             compiler_params=tpu.CompilerParams(dimension_semantics=("parallel",)),
             interpret=interpret, name="rejection_two_phase_accept",
-            cost_estimate=pl.CostEstimate(flops=int(bsz * k * _CHUNK * 4), transcendentals=0,
-                                          bytes_accessed=int(chunks + small)),
+            cost_estimate=accept_cost,
         )(x.reshape(-1), x[:, :, None], target_probs, draft_probs)
         n = _accepted(x, uniforms, nd, pa[..., 0], qa[..., 0])
     else:
@@ -194,7 +196,6 @@ def rejection_sample_two_phase(draft_tokens, draft_probs, target_probs, uniforms
         out_shape=[jax.ShapeDtypeStruct((bsz, 1), jnp.int32)] * (2 if k else 1),
         compiler_params=tpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret, name="rejection_two_phase_race",
-        cost_estimate=pl.CostEstimate(flops=int(flops), transcendentals=0,
-                                      bytes_accessed=int(row_bytes + small)),
+        cost_estimate=race_cost,
     )(n, *([target_probs, draft_probs] if k else [target_probs]), exponentials)
     return _emit(x, n, _choose(n, nd, outs[1][:, 0] if k else None, outs[0][:, 0]))
