@@ -38,13 +38,13 @@ Backends (``rejection_sample_pallas(..., backend=...)``):
   ``q``).
 * ``"triton"`` (``rejection_gpu.py``): grid ``(B, K+1)``, one program per (row, position), looping
   over vocab tiles of ``block_v`` (a power of two, as Triton requires) with masked loads.
-* ``"mosaic_gpu"`` (``rejection_gpu.py``): grid ``(B, K+1, cdiv(V, 256))``, the tile axis
-  sequential, 256-wide TMA tiles (a TMA box holds at most 256 elements per dimension), running
-  state in SMEM. TMA needs 16-byte aligned row strides, so a vocabulary with ``V % 4 != 0`` (f32) is
-  padded first, which copies ``p`` and ``q``; prefer Triton there. (``pl.pallas_call`` for Mosaic
-  GPU is deprecated upstream in favour of ``plgpu.kernel``; jax 0.10.2 still lowers it, with a
-  warning. The kernel names lane lowering semantics, which jax 0.11 no longer takes by default.
-  jax 0.11 also deprecates Pallas' Triton backend in favour of Mosaic GPU.)
+* ``"mosaic_gpu"`` (``rejection_gpu.py``): ``plgpu.kernel`` over ``(B, K+1)``; each program
+  pipelines its 256-wide TMA tiles (a TMA box holds at most 256 elements per dimension; two tiles in
+  flight) through ``plgpu.emit_pipeline``, running state in SMEM. TMA needs 16-byte aligned row
+  strides, so a vocabulary with ``V % 4 != 0`` (f32) is padded first, which copies ``p`` and ``q``;
+  prefer Triton there. (Not ``pl.pallas_call``: jax 0.11 no longer lowers a Mosaic GPU
+  ``pallas_call``. The kernel names lane lowering semantics, which jax 0.11 no longer takes by
+  default. jax 0.11 also deprecates Pallas' Triton backend in favour of Mosaic GPU.)
 * ``"mosaic_tpu_two_phase"``: ``rejection_two_phase.py``. Acceptance from 128-lane chunks around
   the drafted tokens, then one race over the single row each batch row needs: about
   ``3 / (2K + 1)`` of the bytes of ``p`` and ``q`` (``V`` a multiple of 128).

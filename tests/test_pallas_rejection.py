@@ -151,7 +151,6 @@ ACCELERATOR_BACKENDS = RS.compiled_backends(jax.default_backend())
 
 @pytest.mark.skipif(not ACCELERATOR_BACKENDS, reason="compiled Pallas kernels need a GPU or TPU "
                     "(benchmarks/device_check.sh runs this test there)")
-@pytest.mark.filterwarnings("ignore:Using ``pl.pallas_call`` for Mosaic GPU kernels is deprecated")
 @pytest.mark.parametrize("backend", ACCELERATOR_BACKENDS or ["none"])
 def test_kernel_on_accelerator_matches_jnp(backend):
     """The compiled kernel (not interpret mode) picks the jnp verifier's tokens, bit for bit."""
@@ -191,7 +190,9 @@ LOWERINGS = {
 }
 
 
-@pytest.mark.filterwarnings("ignore:Using ``pl.pallas_call`` for Mosaic GPU kernels is deprecated")
+# Deprecations are errors here: jax 0.10 warns when it lowers a Mosaic GPU ``pl.pallas_call``, and
+# jax 0.11 (the GPU image's version) no longer lowers one.
+@pytest.mark.filterwarnings("error::DeprecationWarning")
 @pytest.mark.parametrize("backend", list(LOWERINGS))
 @pytest.mark.parametrize("b,k,vocab", [(8, 4, 151936), (4, 0, 8193), (3, 7, 8193)])
 def test_lowering(backend, b, k, vocab):
@@ -203,6 +204,7 @@ def test_lowering(backend, b, k, vocab):
     assert marker in text, f"{backend}: no {marker} custom call in the lowered module"
 
 
+@pytest.mark.filterwarnings("error::DeprecationWarning")
 @pytest.mark.parametrize("backend", list(LOWERINGS))
 def test_lowering_bf16_inputs(backend):
     platform, marker = LOWERINGS[backend]
