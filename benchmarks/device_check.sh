@@ -21,6 +21,8 @@
 #               kernel of the platform, timed             -> verify_throughput.json
 #   spec        benchmarks/spec_vs_plain.py on the bundle's target and drafters (math, code)
 #                                                   -> spec_vs_plain.{json,md,png}
+#               (its JSON is written after every cell, marked "partial" until the run completes,
+#               so a step stopped by its limit keeps the cells it measured)
 # OUT_DIR then holds at most these 6 files plus steps.txt (one line per step: rc and seconds).
 # The installed jax may be newer than constraints.txt's; device_check.log records which.
 set -uo pipefail

@@ -126,7 +126,9 @@ def _step_costs(eng, reps: int, context: int, temperature: float, n: int = 64) -
             "iterations": n}
 
 
-def run(args) -> dict:
+def run(args, on_cell=None) -> dict:
+    """Measures every (batch, domain, temperature) cell; ``on_cell(out)`` is called after each one
+    (``main`` writes the partial JSON there, so that a run stopped by a time limit keeps its cells)."""
     from flax import nnx
 
     from experiments.offline_eval import load_trained
@@ -201,6 +203,8 @@ def run(args) -> dict:
                 _speedups(cell)
                 out["cells"].append(cell)
                 print(_line(cell), flush=True)
+                if on_cell is not None:
+                    on_cell(out)
     out["_model"], out["_tok"] = model, tok  # for the max_len sweep (not serialised)
     return out
 
@@ -331,14 +335,22 @@ def main(argv=None):
         # the sweep's code path once, at the max_len above: its decoders reuse the cell's
         # compiled programs (a second max_len would compile both plain decoders again)
         args.sweep_max_len = [args.max_len]
-    res = run(args)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    cmd = portable_argv(list(argv) if argv is not None else sys.argv[1:])
+
+    def write_partial(out):  # replaced by the complete result at the end
+        with open(args.out, "w") as f:
+            json.dump({**{k: v for k, v in out.items() if not k.startswith("_")}, "argv": cmd,
+                       "partial": True}, f, indent=1)
+
+    res = run(args, on_cell=write_partial)
     if args.sweep_max_len:
         from flax import nnx
         model = res.pop("_model")
         res["max_len_sweep"] = max_len_sweep(model, nnx.split(model), res.pop("_tok"), args)
     res.pop("_model", None), res.pop("_tok", None)
-    res["argv"] = portable_argv(list(argv) if argv is not None else sys.argv[1:])
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    res["argv"] = cmd
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     print(f"wrote {args.out}")

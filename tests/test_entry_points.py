@@ -146,6 +146,7 @@ def test_device_bundle_then_device_check_quick(tiny_runs, tmp_path):
     assert [(r["B"], r["K"], r["V"]) for r in rows] == [(1, 8, 32000), (64, 8, 32000)]
     assert all(r["jnp_ms"] > 0 and not any(k.startswith("pallas_") for k in r) for r in rows)
     r = json.load(open(out / "spec_vs_plain.json"))
+    assert "partial" not in r  # the complete result replaced the one written after the cell
     (cell,) = r["cells"]
     assert (cell["domain"], cell["batch"], cell["temperature"]) == ("math", 1, 0.0)
     spec = cell["decoders"]["spec:dspark:fixed"]
@@ -153,6 +154,25 @@ def test_device_bundle_then_device_check_quick(tiny_runs, tmp_path):
     assert set(cell["decoders"]) == {"generate_host", "generate", "engine_none",
                                      "spec:dspark:fixed"}
     assert (out / "spec_vs_plain.md").stat().st_size > 0 and (out / "spec_vs_plain.png").exists()
+
+
+def test_spec_vs_plain_keeps_its_cells_when_stopped_early(tmp_path, monkeypatch):
+    """``benchmarks.spec_vs_plain`` writes its JSON after every cell (marked ``partial``), so that a
+    run stopped by a time limit, as device_check.sh's steps can be, keeps what it measured."""
+    import benchmarks.spec_vs_plain as svp
+
+    def stopped_after_one_cell(args, on_cell=None):
+        out = {"cells": [{"domain": "math", "batch": 1}], "_model": object()}
+        on_cell(out)
+        raise TimeoutError("stopped")
+
+    monkeypatch.setattr(svp, "run", stopped_after_one_cell)
+    path = tmp_path / "res" / "spec_vs_plain.json"
+    with pytest.raises(TimeoutError):
+        svp.main(["--target", "t", "--drafter", "mtp=d", "--out", str(path)])
+    r = json.load(open(path))
+    assert r["partial"] is True and r["cells"] == [{"domain": "math", "batch": 1}]
+    assert "_model" not in r and r["argv"][:2] == ["--target", "t"]
 
 
 @BENCH
