@@ -222,6 +222,7 @@ def stats_mosaic_gpu(xp, draft_probs, target_probs, exponentials, tiles, interpr
         scratch_types=acc_types,
         grid=(bsz, k1),
         grid_names=("b", "j"),
+        kernel_name="rejection_sampling_stats",
         # Lane semantics named, not left to the default: the kernel is written per lane
         # (WG_STRIDED iotas), and jax 0.11 makes warpgroup lowering the default.
         compiler_params=None if interpret else plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
