@@ -17,6 +17,7 @@
 #   env         jax version, backend and devices                        -> device_check.log
 #   pallas      tests/test_pallas_rejection.py::test_kernel_on_accelerator_matches_jnp
 #   step_cost   benchmarks/model_step_cost.py, small + base50m, device loop -> model_step_cost.json
+#               (written after each preset, marked "partial" until complete)
 #   verify      benchmarks/verify_throughput.py --quick: the jnp verifier and each compiled Pallas
 #               kernel of the platform, timed             -> verify_throughput.json
 #   spec        benchmarks/spec_vs_plain.py on the bundle's target and drafters (math, code)

@@ -179,6 +179,7 @@ def main(argv=None):
                "load_average_at_start": os.getloadavg(),
                "machine": f"{platform.machine()} {os.cpu_count()} cpus",
                "reps": args.reps, "loops": args.loops.split(","), "presets": []}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for name in args.presets.split(","):
         r = bench_preset(name, batch=args.batch, context=args.context, max_k=args.max_k,
                          reps=args.reps, loops=tuple(args.loops.split(",")), steps=args.steps)
@@ -186,7 +187,10 @@ def main(argv=None):
         for loop, figures in (("host", r if "verify" in r else None), ("device", r.get("device"))):
             if figures is not None:
                 _print_table(name, loop, r["params"], r["batch"], r["context"], figures)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        # after each preset, marked partial: a run stopped by a time limit (device_check.sh's
+        # steps have one) keeps the presets it measured
+        with open(args.out, "w") as f:
+            json.dump({**results, "partial": True}, f, indent=1)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     print(f"\nwrote {args.out}")

@@ -137,7 +137,9 @@ def test_device_bundle_then_device_check_quick(tiny_runs, tmp_path):
     assert "1 skipped" in pallas and "passed" not in pallas  # the kernel test needs a GPU / TPU
     # QUICK=1 runs `model_step_cost --quick` and `verify_throughput --quick --reps 1` as they are
     # (their only smoke runs in the suite).
-    (preset,) = json.load(open(out / "model_step_cost.json"))["presets"]
+    step_cost = json.load(open(out / "model_step_cost.json"))
+    assert "partial" not in step_cost
+    (preset,) = step_cost["presets"]
     assert preset["preset"] == "tiny" and [v["K"] for v in preset["verify"]] == [1, 2]
     assert [v["K"] for v in preset["device"]["verify"]] == [1, 2]
     verify = json.load(open(out / "verify_throughput.json"))
@@ -173,6 +175,23 @@ def test_spec_vs_plain_keeps_its_cells_when_stopped_early(tmp_path, monkeypatch)
     r = json.load(open(path))
     assert r["partial"] is True and r["cells"] == [{"domain": "math", "batch": 1}]
     assert "_model" not in r and r["argv"][:2] == ["--target", "t"]
+
+
+def test_model_step_cost_keeps_its_presets_when_stopped_early(tmp_path, monkeypatch):
+    """``benchmarks.model_step_cost`` writes its JSON after every preset (marked ``partial``)."""
+    import benchmarks.model_step_cost as msc
+
+    def bench_preset(name, **kw):
+        if name == "second":
+            raise TimeoutError("stopped")
+        return {"preset": name}
+
+    monkeypatch.setattr(msc, "bench_preset", bench_preset)
+    path = tmp_path / "res" / "model_step_cost.json"
+    with pytest.raises(TimeoutError):
+        msc.main(["--presets", "first,second", "--out", str(path)])
+    r = json.load(open(path))
+    assert r["partial"] is True and r["presets"] == [{"preset": "first"}]
 
 
 @BENCH
