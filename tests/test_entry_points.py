@@ -194,6 +194,25 @@ def test_model_step_cost_keeps_its_presets_when_stopped_early(tmp_path, monkeypa
     assert r["partial"] is True and r["presets"] == [{"preset": "first"}]
 
 
+def test_verify_throughput_records_a_failing_kernel_and_times_the_rest(monkeypatch):
+    """On an accelerator ``verify_throughput`` times each compiled Pallas kernel; one that fails to
+    compile or run is recorded in the row (``pallas_<backend>_error``), and the row keeps the other
+    kernels' and the jnp verifier's figures. On CPU, two stand-in backends: one that fails, and the
+    plain-jnp reference, which picks the verifier's tokens."""
+    import importlib.util
+
+    import pallas_kernels.rejection_sampling as RS
+    spec = importlib.util.spec_from_file_location("verify_throughput", ROOT / "benchmarks" / "verify_throughput.py")
+    vt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vt)
+    monkeypatch.setattr(RS, "compiled_backends", lambda platform, vocab=None: ["broken", "reference"])
+    row = vt.bench_one(2, 3, 256, reps=1)
+    assert row["pallas_broken_error"].startswith("ValueError: unknown Pallas backend 'broken'")
+    assert "pallas_broken_ms" not in row and "pallas_broken_GBps" not in row
+    assert row["pallas_reference_same_tokens"] is True and row["pallas_reference_GBps"] > 0
+    assert row["jnp_ms"] > 0 and row["copy_GBps"] > 0
+
+
 @BENCH
 def test_training_bench_cli(tmp_path):
     proc = run_module(hermetic_env(tmp_path), "specjax.training.bench", "--preset", "tiny",
