@@ -199,12 +199,8 @@ def test_verify_throughput_records_a_failing_kernel_and_times_the_rest(monkeypat
     compile or run is recorded in the row (``pallas_<backend>_error``), and the row keeps the other
     kernels' and the jnp verifier's figures. On CPU, two stand-in backends: one that fails, and the
     plain-jnp reference, which picks the verifier's tokens."""
-    import importlib.util
-
+    import benchmarks.verify_throughput as vt
     import pallas_kernels.rejection_sampling as RS
-    spec = importlib.util.spec_from_file_location("verify_throughput", ROOT / "benchmarks" / "verify_throughput.py")
-    vt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(vt)
     monkeypatch.setattr(RS, "compiled_backends", lambda platform, vocab=None: ["broken", "reference"])
     row = vt.bench_one(2, 3, 256, reps=1)
     assert row["pallas_broken_error"].startswith("ValueError: unknown Pallas backend 'broken'")
