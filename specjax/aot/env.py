@@ -2,9 +2,9 @@
 
 libtpu holds the TPU compiler. Installed as a Python package it makes every ``import jax`` on a
 CPU-only machine try (and fail, noisily) to initialise a TPU, so specjax keeps it *off* the import
-path: ``make install`` puts it in ``.venv/libtpu`` with ``pip install --target``, and
-:func:`ensure_libtpu` points ``TPU_LIBRARY_PATH`` at its ``libtpu.so`` the first time ahead-of-time
-code asks for a TPU topology. Ordinary runs never load it.
+path: ``make libtpu`` (part of ``make test``) puts it in ``.venv/libtpu`` with ``pip install
+--target``, and :func:`ensure_libtpu` points ``TPU_LIBRARY_PATH`` at its ``libtpu.so`` the first
+time ahead-of-time code asks for a TPU topology. Ordinary runs never load it.
 
 This works in a process where JAX is already running on CPU (e.g. under pytest with
 ``JAX_PLATFORMS=cpu``): ``jax.experimental.topologies.get_topology_desc`` loads the library on its
@@ -54,7 +54,7 @@ def ensure_libtpu() -> str:
     path = libtpu_path()
     if path is None:
         raise LibtpuMissing(
-            "libtpu not found; `make install` puts it in .venv/libtpu, or run "
+            "libtpu not found; `make libtpu` puts it in .venv/libtpu, or run "
             "`pip install --target .venv/libtpu 'libtpu==<the version jax pins>'` and/or set "
             "TPU_LIBRARY_PATH=<dir>/libtpu/libtpu.so")
     os.environ["TPU_LIBRARY_PATH"] = path
