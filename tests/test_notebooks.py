@@ -12,6 +12,8 @@ import math
 import os
 
 import pytest
+from _notebook_extras import (SITE_DIR, blocked_modules, declared_extras, installed_extras,
+                              setup_cell, setup_cell_pip, setup_cfg_extras)
 from _shared_once import compile_cache, compile_cache_env
 from test_quickstart import tiny_run  # noqa: F401  (module fixture: the command-line tiny run)
 
@@ -30,6 +32,10 @@ def _execute(name: str, workdir, jax_cache=None, env=None) -> str:
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), \
         f"{name}: outputs must be stripped in git"
     extra = dict(compile_cache_env(jax_cache) if jax_cache is not None else {}, **(env or {}))
+    # The packages of the extras the setup cell does not install are hidden from the kernel
+    # (notebook_site/sitecustomize.py): as on a fresh Colab runtime after that cell.
+    extra["SPECJAX_NOTEBOOK_BLOCK"] = ",".join(
+        blocked_modules(declared_extras(setup_cell(nb))))
     keys = ("SPECJAX_NOTEBOOK_WORKDIR", "SPECJAX_NOTEBOOK_TINY", "XLA_FLAGS", "PYTHONPATH",
             *extra)
     saved = {k: os.environ.get(k) for k in keys}
@@ -38,7 +44,7 @@ def _execute(name: str, workdir, jax_cache=None, env=None) -> str:
     os.environ["SPECJAX_NOTEBOOK_TINY"] = "1"
     os.environ["XLA_FLAGS"] = " ".join(f for f in (saved["XLA_FLAGS"] or "").split()
                                        if "xla_force_host_platform_device_count" not in f)
-    os.environ["PYTHONPATH"] = ROOT + os.pathsep + (saved["PYTHONPATH"] or "")
+    os.environ["PYTHONPATH"] = os.pathsep.join([SITE_DIR, ROOT, saved["PYTHONPATH"] or ""])
     try:
         client = nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
                                          resources={"metadata": {"path": NOTEBOOKS}})
@@ -59,6 +65,51 @@ def test_no_notebook_forces_a_backend():
             text = open(os.path.join(NOTEBOOKS, name)).read()
             assert "JAX_PLATFORMS" not in text, name
             assert "SPECJAX_NOTEBOOK_TINY" in text, f"{name} has no tiny mode"
+
+
+def test_setup_cells_install_the_extras_their_notebook_needs(tmp_path, monkeypatch):
+    """Each notebook's setup cell installs the checkout with the extras it names (the ones the
+    kernels of the tests below keep; the others' packages are hidden there) when the package or
+    one of those extras is missing, and installs nothing when all are there. Notebook 04 trains
+    through Tunix: it needs the ``rl`` extra."""
+    nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed")
+    extras_of = setup_cfg_extras()
+    names = sorted(n for n in os.listdir(NOTEBOOKS) if n.endswith(".ipynb"))
+    needs = {}
+    for name in names:
+        source = setup_cell(nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4))
+        declared = declared_extras(source)
+        needs[name] = declared
+        with monkeypatch.context() as m:
+            assert setup_cell_pip(source, set(), m, tmp_path) is None, name
+        with monkeypatch.context() as m:
+            line = setup_cell_pip(source, {"specjax"}, m, tmp_path)
+        assert line is not None and installed_extras(line) == declared, (name, line)
+        for extra in declared:
+            for dist in extras_of[extra]:
+                with monkeypatch.context() as m:
+                    line = setup_cell_pip(source, {dist}, m, tmp_path)
+                assert line is not None and installed_extras(line) == declared, (name, dist)
+    assert needs["04_rl_grpo.ipynb"] == {"rl"}
+
+
+def test_kernels_cannot_import_the_packages_of_undeclared_extras():
+    """The hiding the notebook kernels run under: a blocked package (and its submodules) fails to
+    import as if absent; everything else imports."""
+    import subprocess
+    import sys
+    code = ("import importlib, json\n"
+            "for m in ('tunix', 'tunix.rl', 'json', 'numpy'):\n"
+            "    try:\n"
+            "        importlib.import_module(m); print(m, 'ok')\n"
+            "    except ModuleNotFoundError as e:\n"
+            "        print(m, 'missing', e.name)\n")
+    env = dict(os.environ, PYTHONPATH=SITE_DIR, SPECJAX_NOTEBOOK_BLOCK="tunix,torch")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split("\n")
+    assert out[:4] == ["tunix missing tunix", "tunix.rl missing tunix", "json ok", "numpy ok"]
+    pytest.importorskip("tunix", reason="tunix (the rl extra) is not installed")
+    assert "tunix" in blocked_modules(set()) and "tunix" not in blocked_modules({"rl"})
 
 
 @pytest.mark.xdist_group("tiny_target")
