@@ -76,6 +76,8 @@ def run(config, workdir: str) -> dict:
     import optax
     import orbax.checkpoint as ocp
     from flax import nnx
+    from specjax.rl import require_tunix
+    require_tunix()  # before Tunix's imports: an error that names the extra
     from tunix.rl import rl_cluster as rl
     from tunix.rl.grpo.grpo_learner import GRPOConfig, GRPOLearner
     from tunix.rl.rollout.base_rollout import RolloutConfig

@@ -5,7 +5,21 @@ Tunix's learner calls, exact scoring and the verifiable math task (see docs/RL.m
 """
 from specjax.rl.policy import TunixPolicy
 
-__all__ = ["TunixPolicy", "SpeculativeRollout"]
+__all__ = ["TunixPolicy", "SpeculativeRollout", "require_tunix"]
+
+
+def require_tunix() -> None:
+    """Imports Tunix, or raises a ``ModuleNotFoundError`` that names the extra to install."""
+    import importlib
+    try:
+        importlib.import_module("tunix")
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] != "tunix":
+            raise
+        raise ModuleNotFoundError(
+            f"{e}: specjax's RL rollouts run through Tunix, the `rl` extra: "
+            "pip install 'specjax[rl]' (in a checkout: pip install -e '.[rl]', or make install)",
+            name=e.name) from e
 
 
 def __getattr__(name):

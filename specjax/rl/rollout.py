@@ -43,7 +43,13 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import numpy as np
 from flax import nnx
-from tunix.rl.rollout import base_rollout
+
+try:
+    from tunix.rl.rollout import base_rollout
+except ModuleNotFoundError:
+    from specjax.rl import require_tunix
+    require_tunix()  # without Tunix: an error that names the extra to install
+    raise
 
 from specjax.drafters.base import SharedHead, shared_head
 from specjax.engine import Engine, EngineConfig, Request
