@@ -69,7 +69,7 @@ def setup_cell_pip(source: str, missing, monkeypatch, workdir):
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setenv("SPECJAX_NOTEBOOK_WORKDIR", str(workdir))
     monkeypatch.chdir(NOTEBOOKS)
-    with contextlib.redirect_stdout(open(os.devnull, "w")):
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
         exec(compile(source, "<setup cell>", "exec"), {"get_ipython": _IPython})
     assert all(magic == "pip" for magic, _ in calls) and len(calls) <= 1, calls
     return calls[0][1] if calls else None
