@@ -147,6 +147,7 @@ def calibration(records_cell: Mapping[str, object], out_dir: str, name: str, *,
     half), so that the scored half shares no context with the one STS was fitted on.
     """
     from specjax import calibration as C
+    from specjax.calibration_plot import plot_reliability
     from specjax.evaluation import write_json
     recs = [r for r in records_cell.values() if r.confidences is not None]
     if not recs:
@@ -170,10 +171,10 @@ def calibration(records_cell: Mapping[str, object], out_dir: str, name: str, *,
     write_json(os.path.join(out_dir, f"calibration_{name}.json"), out)
     gamma = logits.shape[1]
     positions = sorted({1, min(3, gamma), min(5, gamma), gamma})
-    C.plot_reliability(os.path.join(out_dir, f"reliability_{name}.png"), logits[score],
-                       acc[score], temperatures=sts.temperatures, positions=positions,
-                       n_bins=n_bins, title=f"{name}: prefix survival, held-out half "
-                                            f"(STS fitted on the other half)")
+    plot_reliability(os.path.join(out_dir, f"reliability_{name}.png"), logits[score],
+                     acc[score], temperatures=sts.temperatures, positions=positions,
+                     n_bins=n_bins, title=f"{name}: prefix survival, held-out half "
+                                          f"(STS fitted on the other half)")
     return out
 
 

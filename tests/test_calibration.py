@@ -214,13 +214,14 @@ def test_position_metrics_conditional_and_input_checks():
 
 
 def test_reliability_png(tmp_path):
+    from specjax.calibration_plot import plot_reliability
     logits, acc, _ = synthetic_blocks(7, n=3000)
     sts = C.sequential_temperature_scaling(logits, acc, grid=np.geomspace(0.2, 5, 41))
-    path = C.plot_reliability(str(tmp_path / "rel.png"), logits, acc, temperatures=sts.temperatures,
-                              positions=[1, 3], title="synthetic")
+    path = plot_reliability(str(tmp_path / "rel.png"), logits, acc, temperatures=sts.temperatures,
+                            positions=[1, 3], title="synthetic")
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    C.plot_reliability(str(tmp_path / "raw.png"), logits, acc)  # before only
+    plot_reliability(str(tmp_path / "raw.png"), logits, acc)  # before only
     assert (tmp_path / "raw.png").stat().st_size > 1000
     with pytest.raises(ValueError, match="positions"):
-        C.plot_reliability(str(tmp_path / "x.png"), logits, acc, positions=[0])
+        plot_reliability(str(tmp_path / "x.png"), logits, acc, positions=[0])
