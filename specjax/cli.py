@@ -128,8 +128,44 @@ def _add_model_flags(p: argparse.ArgumentParser, *, slots: int, temperature: boo
         p.add_argument("--temperature", type=float, default=0.0)
 
 
+def versions() -> str:
+    """One line for bug reports: specjax's, jax's, jaxlib's and flax's versions and the JAX backend
+    with its devices (starting the backend, so only on request)."""
+    from importlib import metadata
+
+    import jax
+
+    import specjax
+
+    def dist(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    devices = jax.devices()
+    kinds = sorted({d.device_kind for d in devices})
+    return (f"specjax {specjax.__version__} (jax {jax.__version__}, jaxlib {dist('jaxlib')}, "
+            f"flax {dist('flax')}; Python {sys.version.split()[0]}; backend "
+            f"{jax.default_backend()}: {len(devices)} x {', '.join(kinds)})")
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: computed when asked (``--help`` must not start a JAX backend)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the versions of specjax, jax, jaxlib and flax and the JAX "
+                              "backend, then exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(versions())
+        parser.exit()
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specjax", description="specjax command line")
+    ap.add_argument("--version", action=_VersionAction)
     sub = ap.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve JSON-lines requests with the speculative engine")
     _add_model_flags(s, slots=8, temperature=False)

@@ -61,6 +61,20 @@ def test_bad_combinations_fail_clearly(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_version_names_the_stack_and_the_backend(capsys):
+    import flax
+    import jax
+
+    import specjax
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"specjax {specjax.__version__} (jax {jax.__version__}, jaxlib ")
+    assert f"flax {flax.__version__};" in out
+    assert f"backend {jax.default_backend()}: {len(jax.devices())} x " in out
+
+
 def test_retrospective_policy_is_not_offered(capsys):
     with pytest.raises(SystemExit):
         cli.main(["serve", "--policy", "retrospective"])
