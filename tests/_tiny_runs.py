@@ -15,6 +15,7 @@ import sys
 
 import pytest
 from _shared_once import build_once, compile_cache, compile_cache_env
+from _xla_flags import without_device_count
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -32,8 +33,7 @@ def hermetic_env(base: pathlib.Path, jax_cache: pathlib.Path = None) -> dict:
     checkout's ``specjax`` first on the path. With ``jax_cache``, JAX's persistent compilation
     cache there (see :func:`_shared_once.compile_cache`)."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                                if "xla_force_host_platform_device_count" not in f)
+    env["XLA_FLAGS"] = without_device_count(env.get("XLA_FLAGS", ""))
     env.update(JAX_PLATFORMS="cpu", MPLBACKEND="Agg", MPLCONFIGDIR=str(base / "mpl"),
                SPECJAX_DATA_DIR=str(base / "data"), SPECJAX_TARGET_CACHE=str(base / "targets"),
                SPECJAX_QUICKSTART_DIR=str(base / "quickstart"),

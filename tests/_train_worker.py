@@ -30,11 +30,13 @@ import os
 import signal
 import sys
 
+from _xla_flags import with_compile_speed_flags
+
 spec = json.loads(sys.argv[1])
-# LLVM -O0: halves the compile time of these tiny programs (XLA's HLO-level fusion, which
-# decides the numerics, is unchanged).
-os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={spec.get('devices', 1)} "
-                           "--xla_backend_optimization_level=0")
+# The suite's compile-time settings (_xla_flags.py; XLA's HLO-level fusion, which decides the
+# numerics, is unchanged) and this process's own fake-device count.
+os.environ["XLA_FLAGS"] = with_compile_speed_flags(
+    f"--xla_force_host_platform_device_count={spec.get('devices', 1)}")
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

@@ -13,17 +13,14 @@ import tempfile
 
 import pytest
 
+from _xla_flags import with_compile_speed_flags
+
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
-# Most of the suite's time is XLA compiling many small programs, each run only a few times. The
-# CPU backend's LLVM optimisation level 0 cuts that compile time by about a quarter. It is the
-# level of LLVM's code generation only: the HLO programs the tests build are the same, while the
-# machine code may differ in its last bits (e.g. no fused multiply-adds), which no test may depend
-# on. Timing assertions compare programs compiled with the same flags. To test at another level,
-# set --xla_backend_optimization_level in XLA_FLAGS.
-if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+# Compile-time settings (LLVM -O0; jaxlib 0.10's legacy fusion emitters): why, and what they
+# change, in _xla_flags.py. Subprocesses inherit them through XLA_FLAGS.
+os.environ["XLA_FLAGS"] = with_compile_speed_flags(os.environ["XLA_FLAGS"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Keep each xdist worker from oversubscribing the 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -15,6 +15,7 @@ import pytest
 from _notebook_extras import (SITE_DIR, blocked_modules, declared_extras, installed_extras,
                               setup_cell, setup_cell_pip, setup_cfg_extras)
 from _shared_once import compile_cache, compile_cache_env
+from _xla_flags import without_device_count
 from test_quickstart import tiny_run  # noqa: F401  (module fixture: the command-line tiny run)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,8 +43,7 @@ def _execute(name: str, workdir, jax_cache=None, env=None) -> str:
     os.environ.update(extra)
     os.environ["SPECJAX_NOTEBOOK_WORKDIR"] = str(workdir)
     os.environ["SPECJAX_NOTEBOOK_TINY"] = "1"
-    os.environ["XLA_FLAGS"] = " ".join(f for f in (saved["XLA_FLAGS"] or "").split()
-                                       if "xla_force_host_platform_device_count" not in f)
+    os.environ["XLA_FLAGS"] = without_device_count(saved["XLA_FLAGS"] or "")
     os.environ["PYTHONPATH"] = os.pathsep.join([SITE_DIR, ROOT, saved["PYTHONPATH"] or ""])
     try:
         client = nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",

@@ -5,6 +5,7 @@ import sys
 
 import ml_collections
 import pytest
+from _xla_flags import without_device_count
 
 from specjax.training import ConfigError, default_config, validate_config
 
@@ -69,7 +70,7 @@ def test_defaults_are_locked_and_typed():
 
 
 def _cli(*args):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ, XLA_FLAGS=without_device_count(os.environ["XLA_FLAGS"]))
     return subprocess.run([sys.executable, "-m", "experiments.train", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 

@@ -8,6 +8,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from _xla_flags import without_device_count
 
 from specjax.training import (SyntheticLMIterator, Trainer, make_mesh, restore_params,
                               validate_config)
@@ -20,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _cli(*args, timeout=300):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ, XLA_FLAGS=without_device_count(os.environ["XLA_FLAGS"]))
     return subprocess.run([sys.executable, "-m", "experiments.train", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
