@@ -2,10 +2,10 @@
 start (training CLIs, multi-process workers), so that every process of the suite compiles alike.
 
 Most of the suite's time is XLA compiling many small programs, each run only a few times. Two CPU
-backend settings cut that time; both change how the same HLO programs become machine code, not the
-programs (XLA's fusion decisions, which fix the order of float operations, are made before either).
-The machine code may differ in its last bits (e.g. no fused multiply-adds), which no test may depend
-on; timing assertions compare programs compiled with the same flags.
+backend settings cut that time. Both change how the programs JAX builds become machine code, not
+those programs; the results may differ in their last bits (e.g. no fused multiply-adds, another
+emission of a fused reduction), which no test may depend on: tolerances are derived for any
+summation order, and timing assertions compare programs compiled with the same flags.
 
 - ``--xla_backend_optimization_level=0``: LLVM's code generation at -O0 (about a quarter of the
   compile time).
