@@ -30,13 +30,13 @@ import os
 import signal
 import sys
 
-from _xla_flags import with_compile_speed_flags
+from _xla_flags import DEVICE_COUNT_FLAG, with_compile_speed_flags
 
 spec = json.loads(sys.argv[1])
 # The suite's compile-time settings (_xla_flags.py) and this process's own fake-device count. The
 # bitwise comparisons these workers make are between programs compiled with the same flags.
 os.environ["XLA_FLAGS"] = with_compile_speed_flags(
-    f"--xla_force_host_platform_device_count={spec.get('devices', 1)}")
+    f"--{DEVICE_COUNT_FLAG}={spec.get('devices', 1)}")
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

@@ -13,11 +13,11 @@ import tempfile
 
 import pytest
 
-from _xla_flags import with_compile_speed_flags
+from _xla_flags import DEVICE_COUNT_FLAG, with_compile_speed_flags
 
 os.environ.setdefault("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+if DEVICE_COUNT_FLAG not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += f" --{DEVICE_COUNT_FLAG}=8"
 # Compile-time settings (LLVM -O0; jaxlib 0.10's legacy fusion emitters): why, and what they
 # change, in _xla_flags.py. Subprocesses inherit them through XLA_FLAGS.
 os.environ["XLA_FLAGS"] = with_compile_speed_flags(os.environ["XLA_FLAGS"])
