@@ -4,6 +4,7 @@ Rooms (one concept per file)::
 
     requests.py         Request, Result, EngineConfig, stats                       host
     engine.py           Engine: submit / cancel / admit (prefill) / emit / finish    host
+    warmup.py           compiles every program, then profiles SPS per bucket         host
     device_loop.py      many steps in one jitted lax.while_loop (default)            device
     device_policies.py  verification-length policies in jnp                         device
     online_calibration.py  confidences calibrated on past verifications (optional)  device
@@ -21,7 +22,7 @@ caches by lengths and emits the accepted tokens; stop tokens and max_new_tokens 
 whose slots are refilled from the queue (prefill in bucketed chunks).
 
 Static shapes: prefill is compiled once per chunk bucket, the device loop once (one branch per
-token bucket); :meth:`Engine.warmup` compiles all of them, after which a run compiles nothing
+token bucket); :meth:`Engine.warmup` (warmup.py) compiles all of them, after which a run compiles nothing
 (``tests/test_engine.py`` counts compilations).
 
 Exactness: a request's verification length depends only on confidences of drafts *before* the
@@ -36,7 +37,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-import os
 import time
 import warnings
 from typing import Iterable, Optional, Sequence, Union
@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.buckets import SPSProfile, plan_chunks, profile_sps, validate_buckets
+from specjax.buckets import SPSProfile, plan_chunks, validate_buckets
 from specjax.drafters.base import Sampling
 from specjax.engine.device_driver import DeviceLoopMixin
 from specjax.engine import online_calibration as oc
@@ -54,16 +54,15 @@ from specjax.engine.device_loop import slot_keys
 from specjax.engine.host_loop import HostLoopMixin
 from specjax.engine.requests import (CONFIDENCE_POLICIES, EngineConfig, LoopStats, Request, Result,
                                      StepStats, _Live)
-from specjax.engine.loop_profile import production_loop_profile
-from specjax.engine.step_costs import default_context, device_loop_profile
-from specjax.engine.steps import DeviceState, merge_rows, prefill_step, verify_step
+from specjax.engine.steps import DeviceState, prefill_step
+from specjax.engine.warmup import WarmupMixin
 from specjax.models.kv_cache import init_cache
 from specjax.verify import resolve_impl
 
 _slot_keys_jit = jax.jit(slot_keys)  # salt traced: one compilation for every salt
 
 
-class Engine(HostLoopMixin, DeviceLoopMixin):
+class Engine(HostLoopMixin, DeviceLoopMixin, WarmupMixin):
     """Continuous-batching speculative decoding engine over S slots.
 
     Args:
@@ -350,84 +349,3 @@ class Engine(HostLoopMixin, DeviceLoopMixin):
         ids = [self.submit(r) for r in requests]
         self.run()
         return [self.finished.pop(i) for i in ids]
-
-    # ---------------------------------------------------------------------------------- warm-up
-    def warmup(self, *, profile: bool = True) -> None:
-        """Compiles every prefill chunk bucket and the step programs (host loop: drafting and every
-        verification bucket; device loop: the loop), on idle slots (nothing changes); then profiles
-        SPS per bucket unless ``profile=False`` (the device loop profiles only for the policies
-        that read SPS)."""
-        if self.num_active or self.queue:
-            raise RuntimeError("warmup() must run before requests are submitted")
-        s, g = self.config.num_slots, self.config.gamma
-        sampling = self._sampling()
-        keys = self._slot_keys(0)
-        for c in self.prefill_buckets:
-            z = np.zeros(s, np.int32)
-            self.state, _ = prefill_step(
-                self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
-                self.state, np.zeros((s, c), np.int32), z, np.zeros(s, bool), z,
-                np.zeros(s, bool), keys, sampling, max_len=self.config.max_len, gamma=g)
-        policy = self.config.scheduler.policy
-        key = (f"{jax.devices()[0].device_kind}/{self.model_config}/"
-               f"{type(self.drafter).__name__}/S{s}/g{g}/L{self.config.max_len}")
-        if self.config.loop == "device":
-            self._warmup_device_loop()
-            ctx = default_context(self.config)
-            reps = self.config.profile_reps
-            if profile and policy == "production":
-                self._set_profile(self._cached_profile(
-                    key + f"/production-loop/ctx{ctx}",
-                    lambda k: production_loop_profile(self, reps=reps, key=k)))
-            elif profile and policy in ("dspark", "retrospective"):
-                self._set_profile(self._cached_profile(
-                    key + f"/device-loop/ctx{ctx}",
-                    lambda k: device_loop_profile(self, reps=reps, key=k)))
-            return
-        draft, dstate = self._draft()
-        if self.config.loop == "host" and self.config.overlap:  # admissions under overlap merge pre-dispatched drafter rows
-            merge_rows(self.drafter, np.zeros(s, bool), self.state.drafter_state, dstate,
-                       max_len=self.config.max_len, gamma=g)
-        idle = np.full(s, -1, np.int32)
-
-        def run_bucket(b):
-            self.state, res = verify_step(
-                self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
-                self.state, draft.tokens, draft.probs, idle, keys, sampling, bucket=b, gamma=g,
-                method=self.config.method, verify_impl=self.verify_impl)
-            jax.block_until_ready(res.tokens)
-
-        for b in self.buckets:
-            run_bucket(b)
-        if profile:
-            self._set_profile(profile_sps(
-                run_bucket, self.buckets, key=key, reps=self.config.profile_reps, warmup=0,
-                cache_path=self.config.sps_cache,
-                run_draft=lambda: jax.block_until_ready(self._draft())))
-
-    def _cached_profile(self, key: str, measure) -> SPSProfile:
-        """The device loop's SPS profile: ``measure(key)`` (production: its own loop timed,
-        :func:`~specjax.engine.loop_profile.production_loop_profile`; Algorithm 1: steps timed
-        inside device loops, :func:`~specjax.engine.step_costs.device_loop_profile`), or the one
-        saved at ``config.sps_cache`` under the same key."""
-        path = self.config.sps_cache
-        if path and os.path.exists(path):
-            saved = SPSProfile.load(path)
-            if saved.key == key and list(saved.buckets) == self.buckets:
-                return saved
-        prof = measure(key)
-        if path:
-            prof.save(path)
-        return prof
-
-    def set_sps(self, profile: SPSProfile) -> None:
-        """Uses a given SPS profile (e.g. a hand-made one in tests)."""
-        if list(profile.buckets) != self.buckets:
-            raise ValueError(f"profile buckets {profile.buckets} != engine buckets {self.buckets}")
-        self._set_profile(profile)
-
-    def _set_profile(self, profile: SPSProfile) -> None:
-        self.sps, self.sps_table = profile, profile.table()
-        self.sps_table_draft = profile.table_with_draft()
-        if self.config.loop == "device":
-            self._device_sps()

@@ -1,0 +1,105 @@
+"""Warm-up: compile every program an engine runs, then measure SPS per token bucket.
+
+After :meth:`WarmupMixin.warmup` a run compiles nothing (``tests/test_engine.py`` counts
+compilations). The SPS profile (steps per second of each verification bucket) is what the
+confidence policies trade acceptance against: the host loop times each bucket's verify step
+(:func:`specjax.buckets.profile_sps`), the device loop times steps inside device-loop programs
+(:func:`~specjax.engine.step_costs.device_loop_profile`; production: its own loop,
+:func:`~specjax.engine.loop_profile.production_loop_profile`). ``EngineConfig.sps_cache`` keeps a
+profile on disk under a key naming the device kind, model, drafter, slots, γ and ``max_len``.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+
+from specjax.buckets import SPSProfile, profile_sps
+from specjax.engine.loop_profile import production_loop_profile
+from specjax.engine.step_costs import default_context, device_loop_profile
+from specjax.engine.steps import merge_rows, prefill_step, verify_step
+
+
+class WarmupMixin:
+    """Compilation and SPS profiling of :class:`~specjax.engine.engine.Engine`."""
+
+    def warmup(self, *, profile: bool = True) -> None:
+        """Compiles every prefill chunk bucket and the step programs (host loop: drafting and every
+        verification bucket; device loop: the loop), on idle slots (nothing changes); then profiles
+        SPS per bucket unless ``profile=False`` (the device loop profiles only for the policies
+        that read SPS)."""
+        if self.num_active or self.queue:
+            raise RuntimeError("warmup() must run before requests are submitted")
+        s, g = self.config.num_slots, self.config.gamma
+        sampling = self._sampling()
+        keys = self._slot_keys(0)
+        for c in self.prefill_buckets:
+            z = np.zeros(s, np.int32)
+            self.state, _ = prefill_step(
+                self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
+                self.state, np.zeros((s, c), np.int32), z, np.zeros(s, bool), z,
+                np.zeros(s, bool), keys, sampling, max_len=self.config.max_len, gamma=g)
+        policy = self.config.scheduler.policy
+        key = (f"{jax.devices()[0].device_kind}/{self.model_config}/"
+               f"{type(self.drafter).__name__}/S{s}/g{g}/L{self.config.max_len}")
+        if self.config.loop == "device":
+            self._warmup_device_loop()
+            ctx = default_context(self.config)
+            reps = self.config.profile_reps
+            if profile and policy == "production":
+                self._set_profile(self._cached_profile(
+                    key + f"/production-loop/ctx{ctx}",
+                    lambda k: production_loop_profile(self, reps=reps, key=k)))
+            elif profile and policy in ("dspark", "retrospective"):
+                self._set_profile(self._cached_profile(
+                    key + f"/device-loop/ctx{ctx}",
+                    lambda k: device_loop_profile(self, reps=reps, key=k)))
+            return
+        draft, dstate = self._draft()
+        if self.config.loop == "host" and self.config.overlap:  # admissions under overlap merge pre-dispatched drafter rows
+            merge_rows(self.drafter, np.zeros(s, bool), self.state.drafter_state, dstate,
+                       max_len=self.config.max_len, gamma=g)
+        idle = np.full(s, -1, np.int32)
+
+        def run_bucket(b):
+            self.state, res = verify_step(
+                self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
+                self.state, draft.tokens, draft.probs, idle, keys, sampling, bucket=b, gamma=g,
+                method=self.config.method, verify_impl=self.verify_impl)
+            jax.block_until_ready(res.tokens)
+
+        for b in self.buckets:
+            run_bucket(b)
+        if profile:
+            self._set_profile(profile_sps(
+                run_bucket, self.buckets, key=key, reps=self.config.profile_reps, warmup=0,
+                cache_path=self.config.sps_cache,
+                run_draft=lambda: jax.block_until_ready(self._draft())))
+
+    def _cached_profile(self, key: str, measure) -> SPSProfile:
+        """The device loop's SPS profile: ``measure(key)`` (production: its own loop timed,
+        :func:`~specjax.engine.loop_profile.production_loop_profile`; Algorithm 1: steps timed
+        inside device loops, :func:`~specjax.engine.step_costs.device_loop_profile`), or the one
+        saved at ``config.sps_cache`` under the same key."""
+        path = self.config.sps_cache
+        if path and os.path.exists(path):
+            saved = SPSProfile.load(path)
+            if saved.key == key and list(saved.buckets) == self.buckets:
+                return saved
+        prof = measure(key)
+        if path:
+            prof.save(path)
+        return prof
+
+    def set_sps(self, profile: SPSProfile) -> None:
+        """Uses a given SPS profile (e.g. a hand-made one in tests)."""
+        if list(profile.buckets) != self.buckets:
+            raise ValueError(f"profile buckets {profile.buckets} != engine buckets {self.buckets}")
+        self._set_profile(profile)
+
+    def _set_profile(self, profile: SPSProfile) -> None:
+        self.sps, self.sps_table = profile, profile.table()
+        self.sps_table_draft = profile.table_with_draft()
+        if self.config.loop == "device":
+            self._device_sps()
