@@ -54,9 +54,9 @@ except ModuleNotFoundError:
 from specjax.drafters.base import SharedHead, shared_head
 from specjax.engine import Engine, EngineConfig, Request
 from specjax.models.transformer import Transformer
-from specjax.rl.acceptance import position_acceptance
 from specjax.rl.policy import TunixPolicy
-from specjax.rl.scoring import exactness_gap, score_rows, tunix_logps
+from specjax.rl.rollout_metrics import rollout_metrics
+from specjax.rl.scoring import score_rows, tunix_logps
 from specjax.scheduling import SchedulerConfig
 
 __all__ = ["SpeculativeRollout", "HONOURED_KNOBS"]
@@ -269,7 +269,7 @@ class SpeculativeRollout(base_rollout.BaseRollout):
         if not self._warm:
             self.engine.warmup(profile=False)
             self._warm = True
-        n_stats = (len(self.engine.stats), len(getattr(self.engine, "loop_stats", [])))
+        since = (len(self.engine.stats), len(getattr(self.engine, "loop_stats", [])))
         t0 = time.perf_counter()
         results = self.engine.generate(requests)
         wall = time.perf_counter() - t0
@@ -285,8 +285,9 @@ class SpeculativeRollout(base_rollout.BaseRollout):
         padded = np.full((len(prompts), p_len), self.pad_id(), np.int32)
         for i, ids in enumerate(prompt_ids):
             padded[i, p_len - len(ids):] = ids
-        metrics = self._metrics(results, requests, logp, ent, wall, n_stats)
-        metrics["mode"] = mode
+        metrics = {"rollout": self._calls, "weights_version": self._version,
+                   **rollout_metrics(self.engine, results, requests, logp, ent, wall, since),
+                   "mode": mode}
         # per-sequence detail for studies (clustered errors, online drafter updates)
         self.last_batch = {"prompts": prompt_ids, "results": results, "entropy": ent}
         self._record(metrics)
@@ -352,55 +353,6 @@ class SpeculativeRollout(base_rollout.BaseRollout):
         out_en = [en[i, len(p) - 1:len(p) - 1 + len(o)] for i, (p, o) in
                   enumerate(zip(prompt_ids, outputs))]
         return out_lp, out_en
-
-    def _metrics(self, results, requests, logp, ent, wall, n_stats) -> dict:
-        cfg = self.engine.config
-        device_loop = getattr(cfg, "loop", "host") == "device"
-        accepted = int(sum(r.accepted for r in results))
-        steps = int(sum(r.steps for r in results))
-        n_tok = int(sum(len(r.tokens) for r in results))
-        pos = None
-        if device_loop:  # the device loop counts drafts verified / accepted per position
-            calls = self.engine.loop_stats[n_stats[1]:]
-            d = np.sum([c.drafted for c in calls], axis=0) if calls else np.zeros(cfg.gamma)
-            a = np.sum([c.accepted for c in calls], axis=0) if calls else np.zeros(cfg.gamma)
-            drafted, pos = int(np.sum(d)), (a, d)
-        else:
-            drafted = int(sum(s.drafts_verified for s in self.engine.stats[n_stats[0]:]))
-        all_ent = np.concatenate(ent) if ent else np.zeros(0)
-        gap, gap_se = exactness_gap(logp, ent) if all_ent.size else (None, None)
-        gap_se = gap_se if gap_se is not None and np.isfinite(gap_se) else None
-        m = {"rollout": self._calls, "weights_version": self._version,
-             "sequences": len(results), "tokens": n_tok, "steps": steps, "drafted": drafted,
-             "accepted": accepted, "acceptance": accepted / drafted if drafted else None,
-             # tokens per verification step (accepted drafts + one); the prefill emits the first
-             "tau": (n_tok - len(results)) / steps if steps else None,
-             "entropy": float(all_ent.mean()) if all_ent.size else None,
-             "entropy_seq": float(np.mean([e.mean() for e in ent if e.size])) if all_ent.size
-             else None,
-             "logp": float(np.concatenate(logp).mean()) if all_ent.size else None,
-             # mean of log p + H per token: 0 for exact samples (scoring.exactness_gap)
-             "exactness_gap": gap, "exactness_gap_se": gap_se,
-             "mean_length": n_tok / max(1, len(results)),
-             "stopped": float(np.mean([r.finish_reason == "stop" for r in results])),
-             "wall_s": wall, "tokens_per_s": n_tok / wall if wall > 0 else None}
-        if pos is not None:
-            # survival_k = P(drafts 1..k accepted | k drafts verified), exact counts;
-            # alpha_k = survival_k / survival_{k-1}: the conditional acceptance at position k
-            # (exact when the verified length does not depend on the position reached)
-            a, d = pos
-            surv = [float(a[j] / d[j]) if d[j] else None for j in range(len(d))]
-            for j, sv in enumerate(surv):
-                m[f"survival_{j + 1}"] = sv
-                prev = 1.0 if j == 0 else surv[j - 1]
-                m[f"alpha_{j + 1}"] = sv / prev if sv is not None and prev else None
-        elif cfg.scheduler.policy == "fixed" and not cfg.overlap:
-            k = min(cfg.scheduler.k, cfg.gamma)
-            acc, tried = position_acceptance(results, [r.max_new_tokens for r in requests],
-                                             requests[0].stop_tokens if requests else (), k)
-            for j in range(k):
-                m[f"alpha_{j + 1}"] = float(acc[j] / tried[j]) if tried[j] else None
-        return m
 
     def _record(self, metrics: dict) -> None:
         self.last_metrics = metrics
