@@ -1,6 +1,12 @@
-"""Shared by the training tests and their subprocess worker: the tiny synthetic-data config and
-a reference iterator that concatenates several processes' shards (not a test module)."""
+"""Shared by the training tests and their subprocess worker: the tiny synthetic-data config, a
+reference iterator that concatenates several processes' shards, and the training command line run
+as a user runs it (not a test module)."""
+import os
+import subprocess
+import sys
+
 import numpy as np
+from _xla_flags import without_device_count
 
 from specjax.training import SyntheticLMIterator, default_config
 
@@ -45,3 +51,15 @@ class ConcatIterator:
     def set_state(self, state):
         for p, s in zip(self.parts, state):
             p.set_state(s)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def train_cli(*args, timeout=300):
+    """``python -m experiments.train ARGS`` from the repository root, as a completed process
+    (stdout / stderr captured as text). It sees one CPU device, as a user's run does: the suite's
+    fake device count is taken out of XLA_FLAGS; its compile-speed flags stay."""
+    env = dict(os.environ, XLA_FLAGS=without_device_count(os.environ.get("XLA_FLAGS", "")))
+    return subprocess.run([sys.executable, "-m", "experiments.train", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)

@@ -1,15 +1,11 @@
 """Bad training configs fail fast (before any device work) with a message naming the field."""
 import os
-import subprocess
-import sys
 
 import ml_collections
 import pytest
-from _xla_flags import without_device_count
+from _train_common import train_cli
 
 from specjax.training import ConfigError, default_config, validate_config
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("user, pattern", [
@@ -69,18 +65,12 @@ def test_defaults_are_locked_and_typed():
     assert full.train.num_steps == default_config().train.num_steps
 
 
-def _cli(*args):
-    env = dict(os.environ, XLA_FLAGS=without_device_count(os.environ["XLA_FLAGS"]))
-    return subprocess.run([sys.executable, "-m", "experiments.train", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
-
-
 def test_command_line_rejects_misspelt_override_and_bad_mesh(tmp_path):
     # (mistyped values are rejected by the locked schema: test_defaults_are_locked_and_typed)
     cfg = "experiments/configs/pretrain_target.py:tiny"
-    typo = _cli("--config", cfg, "--config.train.num_stpes=3", "--workdir", str(tmp_path))
+    typo = train_cli("--config", cfg, "--config.train.num_stpes=3", "--workdir", str(tmp_path))
     assert typo.returncode != 0 and "num_stpes" in typo.stderr
-    mesh = _cli("--config", cfg, "--config.mesh.fsdp=3", "--config.data.kind=synthetic",
-                "--workdir", str(tmp_path))
+    mesh = train_cli("--config", cfg, "--config.mesh.fsdp=3", "--config.data.kind=synthetic",
+                     "--workdir", str(tmp_path))
     assert mesh.returncode == 2 and "config.mesh" in mesh.stderr, mesh.stderr[-2000:]
     assert not os.listdir(tmp_path)  # failed before writing anything

@@ -2,13 +2,11 @@
 synthetic iterator, metrics file, schedule logging, eval padding, params-only restore."""
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
-from _xla_flags import without_device_count
+from _train_common import train_cli
 
 from specjax.training import (SyntheticLMIterator, Trainer, make_mesh, restore_params,
                               validate_config)
@@ -16,14 +14,6 @@ from specjax.training.checkpoint import abstract_with_shardings
 from specjax.training.inputs import pad_rows
 from specjax.training.metrics import MetricsWriter, plot_loss_curve, read_metrics
 from specjax.training.optimizer import make_schedule
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _cli(*args, timeout=300):
-    env = dict(os.environ, XLA_FLAGS=without_device_count(os.environ["XLA_FLAGS"]))
-    return subprocess.run([sys.executable, "-m", "experiments.train", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def _tiny_run(tmp):
@@ -33,10 +23,10 @@ def _tiny_run(tmp):
     args = ["--config", "experiments/configs/pretrain_target.py:tiny",
             f"--config.data.data_dir={data_dir}", "--config.checkpoint.keep=1",
             "--workdir", workdir]
-    first = _cli(*args)
+    first = train_cli(*args)
     assert first.returncode == 0, first.stderr[-4000:]
     lines_after_first = len(read_metrics(os.path.join(workdir, "metrics.jsonl")))
-    again = _cli(*args)  # finished run in the same workdir: restores, re-evaluates, no training
+    again = train_cli(*args)  # finished run in the same workdir: restores, re-evaluates, no training
     assert again.returncode == 0, again.stderr[-4000:]
     return workdir, first, again, lines_after_first
 
