@@ -39,6 +39,14 @@ step (one microbatch, as every v5e-256 step is). About five minutes::
     python -m experiments.fsdp_scaling --study accum \
         --out experiments/results/tpu/chunk_fix/accum.json
 
+``--study width``: Qwen3-4B and Qwen3-8B + MTP at one 4096-token row per chip on v5e-256, FSDP
+over all 256 chips and over 32 (data parallel over the other factor of 8). The pod config's width
+(``tpu_pod.fsdp_width``) is 32 for 4B, whose 2560 hidden rows leave 10 per chip over 256 chips,
+and 256 for 8B (16 rows each). About nine minutes::
+
+    python -m experiments.fsdp_scaling --study width \
+        --out experiments/results/tpu/width/width.json
+
 Tiny mode (``--quick``: the constrained ``mtp`` row on 4 chips only, under a minute)::
 
     python -m experiments.fsdp_scaling --quick --out /tmp/scaling_quick.json
@@ -105,13 +113,15 @@ def forced_row_chunk(rows: int):
         tv_losses._rows_per_chunk = rule
 
 
-def pod_mtp_config(target: str, topology: str, chips: int, seq: int = 512):
+def pod_mtp_config(target: str, topology: str, chips: int, seq: int = 512, data: int = 1):
     """``experiments/configs/tpu_pod.py``'s MTP + e2e-TV step for ``target`` at one ``seq``-token
-    row per chip and no gradient accumulation."""
+    row per chip and no gradient accumulation, FSDP over ``chips // data`` chips (default: every
+    chip, whatever width the pod config picks) and data parallel over ``data``."""
     from experiments.configs.tpu_pod import get_config
     c = get_config(f"{target},mtp,{topology}")
     c.unlock()
     c.data.seq_len, c.data.batch_size, c.train.grad_accum_steps = seq, chips, 1
+    c.mesh.data, c.mesh.fsdp = data, -1
     c.lock()
     return c
 
@@ -246,6 +256,26 @@ def accum_study(target: str = "qwen3-4b", topology: str = "v5e:2x4", chips: int 
     return rows
 
 
+def width_study(targets=("qwen3-4b", "qwen3-8b"), topology: str = "v5e:16x16", chips: int = 256,
+                seq: int = 4096, narrow: int = 32) -> list:
+    """Rows of ``--study width``: each ``target`` + MTP at one ``seq``-token row per chip, FSDP
+    over every chip and over ``narrow`` chips (data parallel over the rest). Each row names the
+    pod config's width (``tpu_pod.fsdp_width``: whole bf16 tiles of the hidden dimension per
+    chip) and the hidden rows per chip."""
+    from experiments.configs.tpu_pod import fsdp_width
+    from specjax.models import get_preset
+    rows = []
+    for target in targets:
+        hidden = get_preset(target).hidden_size
+        for fsdp in (chips, narrow):
+            r = compile_step(pod_mtp_config(target, topology, chips, seq=seq,
+                                            data=chips // fsdp), topology)
+            rows.append(_row("mtp", topology, chips, True, r, model=target, seq=seq, fsdp=fsdp,
+                             data=chips // fsdp, hidden_per_chip=hidden // fsdp,
+                             pod_width=fsdp_width(chips, hidden)))
+    return rows
+
+
 def batch_study(quick: bool = False, vocab: int = 32768) -> list:
     """Rows of ``--study batch``: per constraint setting (without, then with; ``quick``: with
     only), the ``mtp`` (``vocab``-token vocabulary) and ``lm`` steps on each of TOPOLOGIES, then
@@ -275,19 +305,21 @@ def main(argv=None) -> list:
     ap.add_argument("--quick", action="store_true",
                     help="the constrained mtp row on the smallest topology only")
     ap.add_argument("--vocab", type=int, default=32768, help="vocabulary of the mtp rows")
-    ap.add_argument("--study", choices=("batch", "chunk", "tiling", "rounding", "accum"),
+    ap.add_argument("--study",
+                    choices=("batch", "chunk", "tiling", "rounding", "accum", "width"),
                     default="batch",
                     help="batch: the batch-constraint fix (4 and 16 chips); chunk: the loss's "
                     "row-chunk fix (8-256 chips); tiling: forced row chunks on 8 chips; "
                     "rounding: the default chunk against one of 8k rows per chip; accum: "
-                    "with and without gradient accumulation on 8 chips")
+                    "with and without gradient accumulation on 8 chips; width: FSDP over every "
+                    "chip and over the pod config's width on v5e-256")
     args = ap.parse_args(argv)
     if aot.libtpu_path() is None:
         raise SystemExit("fsdp_scaling compiles for TPU and needs libtpu: run `make libtpu`")
     if args.study != "batch" and (args.quick or args.vocab != 32768):
         raise SystemExit(f"--study {args.study} has fixed rows: drop --quick / --vocab")
     studies = {"chunk": chunk_study, "tiling": tiling_study, "rounding": rounding_study,
-               "accum": accum_study}
+               "accum": accum_study, "width": width_study}
     rows = studies.get(args.study, lambda: batch_study(args.quick, args.vocab))()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

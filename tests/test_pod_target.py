@@ -69,7 +69,8 @@ def test_pod_config_keeps_the_tokens_per_step_at_any_sequence():
 def test_pod_config_sequences_follow_the_compiled_table():
     """``tpu_pod.py``'s default sequence for each slice, target and drafter of the docs/TPU.md
     table is the longest one at which that row fits (``experiments/results/tpu/table.json``, from
-    ``tpu_plan``): the committed table and the config cannot drift apart. Other slices of a chip
+    ``tpu_plan``), and its mesh is the row's: the committed table and the config cannot drift
+    apart. Other slices of a chip
     take the shortest sequence listed for it."""
     import json
     import os
@@ -83,6 +84,11 @@ def test_pod_config_sequences_follow_the_compiled_table():
     for r in json.load(open(path)):
         key = (slices[r["topology"]], r["shapes"]["model"], r["shapes"]["drafter"])
         tried.setdefault(key, []).append((r["shapes"]["seq"], r["fits"]))
+        # and each row was compiled on the mesh the config gives (data x fsdp)
+        c = get_config(f"{key[1]},{key[2]},{key[0]},{r['shapes']['seq']}")
+        chips = r["num_devices"]
+        assert (c.mesh.data, chips // c.mesh.data, c.mesh.fsdp) == \
+            (r["mesh"]["data"], r["mesh"]["fsdp"], -1), key
     assert len(tried) == 24  # 4 slices x 3 targets x 2 drafters
     for (slice_name, target, drafter), rows in tried.items():
         fit = max(seq for seq, fits in rows if fits)
@@ -91,3 +97,18 @@ def test_pod_config_sequences_follow_the_compiled_table():
             (slice_name, target, drafter)
     assert default_seq("v5e:4x4", "qwen3-8b", "mtp") == 2048  # another v5e slice
     assert default_seq("v6e:8x8", "qwen3-8b", "mtp") == SEQ_LEN
+
+
+def test_fsdp_width_keeps_whole_bf16_tiles_of_the_hidden_dimension_per_chip():
+    """FSDP over the most chips that leave each a multiple of 16 hidden rows; data parallel over
+    the rest (docs/TPU.md, "FSDP width")."""
+    from experiments.configs.tpu_pod import fsdp_width, get_config
+    assert fsdp_width(256, 2560) == 32  # Qwen3-4B: 80 rows per chip (64 chips: 40, not whole)
+    assert fsdp_width(256, 4096) == 256  # Qwen3-8B: 16 rows per chip
+    assert fsdp_width(256, 1024) == 64  # Qwen3-0.6B: 16 rows per chip
+    assert fsdp_width(8, 2560) == 8 and fsdp_width(32, 2560) == 32
+    assert fsdp_width(12, 96) == 6  # 16 rows each; not only powers of two
+    assert fsdp_width(8, 40) == 8  # no width leaves whole tiles: every chip, as before
+    c = get_config("qwen3-4b,mtp,v5e-256")
+    assert (c.mesh.data, c.mesh.fsdp, c.mesh.tensor) == (8, -1, 1)
+    assert c.data.batch_size == 256 * c.train.grad_accum_steps  # still one row per chip

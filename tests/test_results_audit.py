@@ -187,6 +187,45 @@ def test_quoted_tpu_row_chunk_rounding_numbers_match_the_committed_results():
     assert round(tiling[48]["temp_gib"] - tiling[64]["temp_gib"], 2) == 0.58
 
 
+def test_quoted_tpu_fsdp_width_numbers_match_the_committed_results():
+    """docs/TPU.md's "FSDP width": the width study's table, built here from its JSON, and the
+    roofline times and memory of the pod table's v5e-256 rows before and after the change."""
+    tpu = os.path.join(os.path.dirname(FULL), "tpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    doc = open(os.path.join(root, "docs", "TPU.md")).read()
+    flat = " ".join(doc.split())  # the prose's line breaks fall anywhere
+    name = {"qwen3-4b": "Qwen3-4B", "qwen3-8b": "Qwen3-8B"}
+    width = json.load(open(os.path.join(tpu, "width", "width.json")))
+    assert [(r["model"], r["fsdp"], r["data"]) for r in width] == [
+        ("qwen3-4b", 256, 1), ("qwen3-4b", 32, 8), ("qwen3-8b", 256, 1), ("qwen3-8b", 32, 8)]
+    for r in width:
+        line = (f"| {name[r['model']]} | {r['fsdp']} x {r['data']} | {r['hidden_per_chip']} | "
+                f"{r['temp_gib']:.2f} | {r['used_gib']:.2f} / 16.0 | "
+                f"{r['bytes_accessed_gb']:.1f} |")
+        assert line in doc, line
+    assert f"({width[2]['used_gib']:.2f} -> {width[3]['used_gib']:.2f} GiB used)" in doc
+
+    def v5e256(rows):
+        return {(r["shapes"]["model"], r["shapes"]["drafter"]): r for r in rows
+                if r["topology"] == "v5e:16x16" and r["shapes"]["seq"] == 4096}
+    before = v5e256(json.load(open(os.path.join(tpu, "width", "table_before.json"))))
+    after = v5e256(json.load(open(os.path.join(tpu, "table.json"))))
+    for (model, drafter), label in [(("qwen3-4b", "mtp"), "4B + MTP"),
+                                    (("qwen3-4b", "dspark"), "4B + DSpark"),
+                                    (("qwen3-0.6b", "mtp"), "0.6B + MTP"),
+                                    (("qwen3-0.6b", "dspark"), "0.6B + DSpark")]:
+        b, a = before[(model, drafter)], after[(model, drafter)]
+        assert b["mesh"]["fsdp"] == 256 and a["mesh"]["fsdp"] < 256
+        assert a["fits"] and a["roofline_seconds"] < b["roofline_seconds"]
+        quoted = f"{label} {b['roofline_seconds']:.3f} -> {a['roofline_seconds']:.3f} s"
+        assert quoted in flat, quoted
+    assert not before[("qwen3-4b", "mtp")]["fits"]
+    gib = lambda r: f"{r['used_bytes'] / 2**30:.1f}"  # noqa: E731
+    (b4, a4), (b06, a06) = [(gib(before[(m, "dspark")]), gib(after[(m, "dspark")]))
+                            for m in ("qwen3-4b", "qwen3-0.6b")]
+    assert f"(4B {b4} -> {a4} GiB, 0.6B {b06} -> {a06} GiB)" in flat
+
+
 def test_quoted_rl_online_update_numbers_match_the_committed_results():
     """docs/RL.md's online-update paragraph of the quickstart run: the claim the study now writes,
     computed by the study's own code from the committed arms (that JSON predates the claim)."""
