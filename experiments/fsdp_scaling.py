@@ -311,8 +311,8 @@ def main(argv=None) -> list:
                     help="batch: the batch-constraint fix (4 and 16 chips); chunk: the loss's "
                     "row-chunk fix (8-256 chips); tiling: forced row chunks on 8 chips; "
                     "rounding: the default chunk against one of 8k rows per chip; accum: "
-                    "with and without gradient accumulation on 8 chips; width: FSDP over every "
-                    "chip and over the pod config's width on v5e-256")
+                    "with and without gradient accumulation on 8 chips; width: FSDP over all 256 "
+                    "chips of a v5e-256 and over 32")
     args = ap.parse_args(argv)
     if aot.libtpu_path() is None:
         raise SystemExit("fsdp_scaling compiles for TPU and needs libtpu: run `make libtpu`")

@@ -56,9 +56,9 @@ def fsdp_width(chips: int, hidden: int) -> int:
 
     Why: FSDP shards the weights on their hidden (``embed``) axis and gathers them for each use.
     Compiled for v5e-256, Qwen3-4B's 2560 hidden rows over 256 chips leave 10 per chip; the
-    gathered LM head then lies as ``[256, 10, V]``, padded to ``[256, 16, V]`` in TPU's tiles and
-    copied into ``[2560, V]`` for the matmul, several such buffers live at the step's peak. FSDP
-    over 32 chips (80 rows each) and data parallelism over 8 cut the MTP step at 4096 tokens
+    gathered LM head then lies as ``[256, 10, V]``, padded to ``[256, 16, V]`` in TPU's tiles, and
+    is copied into ``[2560, V]`` for the matmul; four such copies were live at the step's peak.
+    FSDP over 32 chips (80 rows each) and data parallelism over 8 cut the MTP step at 4096 tokens
     from 15.0 to 13.1 GiB per chip (docs/TPU.md, "FSDP width").
     """
     for f in sorted((d for d in range(2, chips + 1) if chips % d == 0), reverse=True):
