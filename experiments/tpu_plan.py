@@ -108,6 +108,8 @@ def _train_reports(config, topology: str, fit: bool, tries: int) -> list:
               f"{'fits' if report.fits else 'does NOT fit'} "
               f"({report.used_bytes / 2**30:.1f} of {report.hbm_bytes / 2**30:.1f} GiB) "
               f"[{report.compile_seconds:.0f}s]", flush=True)
+        if report.notes.get("warning"):
+            print(f"    note: {report.notes['warning']}", flush=True)
         if report.fits or cfg.data.seq_len <= 256:
             break
         cfg = cfg.copy_and_resolve_references()

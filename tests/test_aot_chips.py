@@ -37,3 +37,14 @@ def test_parse_oom_messages():
     assert parse_oom("... Used 111.6G of 15.75G hbm. Exceeded hbm capacity by 95.8G.") == (
         int(111.6 * 2**30), int(15.75 * 2**30))
     assert parse_oom("INTERNAL: something else") is None
+
+
+def test_fsdp_tile_warning_names_partial_bf16_tiles_per_chip():
+    from specjax.aot.chips import BF16_TILE_ROWS, fsdp_tile_warning
+    assert BF16_TILE_ROWS == 16
+    for hidden, fsdp in [(2560, 32), (4096, 256), (1024, 64), (2560, 1), (64, 4)]:
+        assert fsdp_tile_warning(hidden, fsdp) is None, (hidden, fsdp)
+    w = fsdp_tile_warning(2560, 256)
+    assert w.startswith("FSDP over 256 chips leaves 10 of the 2560 hidden rows per chip")
+    assert fsdp_tile_warning(2560, 64) is not None  # 40 rows: 2.5 tiles
+    assert fsdp_tile_warning(100, 3) is None  # uneven shards: no per-chip share to reason about

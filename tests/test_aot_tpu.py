@@ -57,6 +57,17 @@ def test_lm_train_step_compiles_and_fits():
     assert 0 < r.mfu <= 1
 
 
+def test_train_step_warns_when_fsdp_leaves_partial_tiles_per_chip():
+    """The pre-flight's hint (docs/TPU.md, "FSDP width"): 40 hidden rows over 4 chips leave 10
+    per chip; 64 leave 16 (whole bf16 tiles: no note). Building the program compiles nothing."""
+    c = _train_config()
+    mesh = aot.topology_mesh(TOPOLOGY, c.mesh.to_dict())
+    assert "warning" not in aot.train_step(c, mesh).notes
+    c.model.overrides.hidden_size = 40
+    warning = aot.train_step(c, mesh).notes["warning"]
+    assert "FSDP over 4 chips leaves 10 of the 40 hidden rows per chip" in warning
+
+
 @pytest.mark.parametrize("variant", ["mtp_e2e_tv", "dspark_markov"])
 def test_drafter_train_step_compiles(variant):
     from experiments.configs.train_drafter import get_config

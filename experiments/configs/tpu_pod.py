@@ -27,7 +27,7 @@ directory every host mounts, e.g. a gcsfuse bucket)::
         --config.task.target_workdir /gcs/BUCKET/qwen3-8b-specjax \\
         --config.task.data_file /gcs/BUCKET/rows_4096.npz --workdir /gcs/BUCKET/runs/mtp-8b
 """
-from specjax.aot.chips import chip_of, num_chips
+from specjax.aot.chips import BF16_TILE_ROWS, chip_of, num_chips
 from specjax.models import get_preset
 from specjax.training.config import default_config
 import specjax.training.drafter_task  # noqa: F401  (registers the "drafter" task)
@@ -46,13 +46,12 @@ SHORTER_SEQ = {
     ("v5e-256", "qwen3-8b", "mtp"): 2048,
 }
 ROWS_PER_CHIP = 1  # microbatch rows per chip (more steps of gradient accumulation otherwise)
-TILE_ROWS = 16  # rows of one bf16 tile on TPU (8 sublanes of two packed rows)
 
 
 def fsdp_width(chips: int, hidden: int) -> int:
     """Chips to shard the parameters over (FSDP): the largest divisor ``f`` of ``chips`` that
     leaves each chip a whole number of bf16 tiles of the hidden dimension (``hidden / f`` a
-    multiple of :data:`TILE_ROWS`); ``chips`` when only ``f = 1`` would.
+    multiple of ``specjax.aot.chips.BF16_TILE_ROWS``, 16); ``chips`` when only ``f = 1`` would.
 
     Why: FSDP shards the weights on their hidden (``embed``) axis and gathers them for each use.
     Compiled for v5e-256, Qwen3-4B's 2560 hidden rows over 256 chips leave 10 per chip; the
@@ -62,7 +61,7 @@ def fsdp_width(chips: int, hidden: int) -> int:
     from 15.0 to 13.1 GiB per chip (docs/TPU.md, "FSDP width").
     """
     for f in sorted((d for d in range(2, chips + 1) if chips % d == 0), reverse=True):
-        if hidden % f == 0 and (hidden // f) % TILE_ROWS == 0:
+        if hidden % f == 0 and (hidden // f) % BF16_TILE_ROWS == 0:
             return f
     return chips
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import Optional
 
 GIB = 2**30
 
@@ -50,6 +51,29 @@ CHIPS: dict[str, ChipSpec] = {
     "v5p": ChipSpec("v5p", "TPU v5", 459e12, 2765e9, 95 * GIB),
     "v6e": ChipSpec("v6e", "TPU v6 lite", 918e12, 1640e9, 32 * GIB),
 }
+
+#: Rows of one bf16 tile in TPU memory (8 sublanes of two packed rows; f32 tiles are 8 x 128).
+BF16_TILE_ROWS = 16
+
+
+def fsdp_tile_warning(hidden: int, fsdp: int) -> Optional[str]:
+    """A pre-flight hint when FSDP over ``fsdp`` chips leaves each chip a share of the
+    ``hidden`` dimension that is not whole bf16 tiles (``hidden / fsdp`` not a multiple of
+    :data:`BF16_TILE_ROWS`), else None.
+
+    Weights sharded on their hidden axis are gathered for each use; with a partial tile per chip
+    the gathered buffer is padded and copied. Qwen3-4B + MTP on v5e-256 (10 rows per chip) needed
+    15.0 GiB per chip with FSDP over all 256 chips and 13.1 GiB over 32 (docs/TPU.md, "FSDP
+    width").
+    """
+    if fsdp <= 1 or hidden % fsdp or (hidden // fsdp) % BF16_TILE_ROWS == 0:
+        return None
+    return (f"FSDP over {fsdp} chips leaves {hidden // fsdp} of the {hidden} hidden rows per "
+            f"chip, not a multiple of {BF16_TILE_ROWS} (a bf16 TPU tile): gathered weights are "
+            f"padded and copied. A narrower fsdp axis with the rest on `data` (e.g. "
+            f"experiments/configs/tpu_pod.py's fsdp_width) may need less memory "
+            f"(docs/TPU.md, \"FSDP width\").")
+
 
 # Topologies of common slices (product name -> topology string).
 _SQUARE = {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from specjax.aot.chips import fsdp_tile_warning
 from specjax.aot.compile import abstract, replicated_like
 from specjax.models import ModelConfig, Transformer
 from specjax.models import partitioning
@@ -104,9 +105,10 @@ def train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> Program:
         name = f"drafter_step[{cfg.task.drafter}:{cfg.task.loss}]"
         shapes.update(drafter=cfg.task.drafter, loss=cfg.task.loss, gamma=task.gamma,
                       anchors_per_row=cfg.task.anchors_per_row)
+    warning = fsdp_tile_warning(target.hidden_size, mesh.shape.get("fsdp", 1))
     return Program(
         name=name, shapes=shapes, model_flops=float(flops),
-        loop_multiplier=cfg.train.grad_accum_steps,
+        loop_multiplier=cfg.train.grad_accum_steps, notes={"warning": warning} if warning else {},
         lower=lambda: trainer._step.lower(trainer.abstract_state, batch, trainer.abstract_frozen))
 
 
