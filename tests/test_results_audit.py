@@ -226,6 +226,43 @@ def test_quoted_tpu_fsdp_width_numbers_match_the_committed_results():
     assert f"(4B {b4} -> {a4} GiB, 0.6B {b06} -> {a06} GiB)" in flat
 
 
+def test_quoted_tpu_attention_chunk_numbers_match_the_committed_results():
+    """docs/TPU.md's attention-chunk table (built here from the four tpu_plan runs and the pod
+    table's dense rows) and the numbers its paragraph quotes."""
+    tpu = os.path.join(os.path.dirname(FULL), "tpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flat = " ".join(open(os.path.join(root, "docs", "TPU.md")).read().split())
+    table = json.load(open(os.path.join(tpu, "table.json")))
+    label = {"qwen3-8b": "Qwen3-8B", "qwen3-4b": "Qwen3-4B", "mtp": "MTP", "dspark": "DSpark",
+             "v5e:16x16": "v5e-256", "v5e:2x4": "v5e-8"}
+
+    def cell(r):
+        return (f"{r['used_bytes'] / 2**30:.1f} / 16.0, {'fits' if r['fits'] else 'no'}, "
+                f"{r['roofline_seconds']:.3g} s")
+    chunked = {}
+    for name in ("qwen3-8b_mtp_v5e-256", "qwen3-8b_mtp_v5e-8", "qwen3-8b_dspark_v5e-8",
+                 "qwen3-4b_dspark_v5e-8"):
+        (r,) = json.load(open(os.path.join(tpu, "attention", name, "plan.json")))
+        m, d, topo = r["shapes"]["model"], r["shapes"]["drafter"], r["topology"]
+        assert r["shapes"]["seq"] == 4096 and name == f"{m}_{d}_{label[topo]}"
+        dense = {x["shapes"]["seq"]: x for x in table if (x["shapes"]["model"], x["shapes"][
+            "drafter"], x["topology"]) == (m, d, topo)}
+        assert not dense[4096]["fits"] and dense[2048]["fits"]
+        line = (f"| {label[m]} + {label[d]}, {label[topo]} | {cell(dense[4096])} | {cell(r)} | "
+                f"{cell(dense[2048])} |")
+        assert line in flat, line
+        chunked[name] = (r, dense)
+    fits = [n for n, (r, _) in chunked.items() if r["fits"]]
+    assert fits == ["qwen3-8b_mtp_v5e-256", "qwen3-4b_dspark_v5e-8"]
+    for n in fits:  # "Both steps are longer than the 2048-token step of the same tokens"
+        r, dense = chunked[n]
+        assert r["roofline_seconds"] > dense[2048]["roofline_seconds"]
+    assert f"{round(100 * chunked['qwen3-4b_dspark_v5e-8'][0]['hbm_fraction'])} % of HBM" in flat
+    saved = [(d[4096]["used_bytes"] - r["used_bytes"]) / 2**30
+             for r, d in (chunked["qwen3-8b_mtp_v5e-8"], chunked["qwen3-8b_dspark_v5e-8"])]
+    assert f"save only {saved[0]:.2f} and {saved[1]:.2f} GiB there" in flat
+
+
 def test_quoted_rl_online_update_numbers_match_the_committed_results():
     """docs/RL.md's online-update paragraph of the quickstart run: the claim the study now writes,
     computed by the study's own code from the committed arms (that JSON predates the claim)."""

@@ -1,6 +1,6 @@
-"""Per-block remat and the chunked vocabulary loss give the plain train step's loss and gradients,
-and the drafter task's target distributions are the same whether the LM head runs on every position
-or only on the gathered anchor rows.
+"""Per-block remat, the chunked vocabulary loss and query-chunked attention give the plain train
+step's loss and gradients, and the drafter task's target distributions are the same whether the LM
+head runs on every position or only on the gathered anchor rows.
 
 Tolerances: the variants compute the same terms in a different order (chunked sums, recomputed
 blocks), so each value may differ by the reordering error of its longest f32 reduction:
@@ -83,3 +83,53 @@ def test_drafter_target_head_on_gathered_rows_matches_full_logits():
     n = task.target_config.hidden_size + task.target_config.vocab_size
     np.testing.assert_allclose(p, ref_p, rtol=0, atol=n * EPS * float(jnp.max(ref_p)))
     assert bool(mask.any())
+
+
+@pytest.mark.parametrize("chunk", [16, 7])  # 7: T = 40 padded to 42 with masked rows
+def test_query_chunked_attention_matches_dense_attention(chunk):
+    from specjax.models.attention import (attention_weights_mask, grouped_attention,
+                                          query_chunks)
+    rng = np.random.default_rng(0)
+    h, kvh, dh = 4, 2, 8
+    q = jnp.asarray(rng.normal(size=(B, T, h, dh)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(B, T, kvh, dh)), jnp.float32) for _ in range(2))
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    seg = jnp.asarray(np.repeat([[1] * 25 + [2] * (T - 25)], B, 0))  # two packed documents
+    mask = attention_weights_mask(pos, pos, seg, seg)
+
+    def run(c):
+        def loss(q, k, v):
+            with query_chunks(c):
+                out = grouped_attention(q, k, v, mask)
+            return jnp.sum(out * jnp.sin(out)), out
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+    (loss0, out0), grads0 = run(0)
+    (loss1, out1), grads1 = run(chunk)
+    assert out1.shape == out0.shape
+    n = T * h  # longest reduction: a key's gradient sums over every query of every head
+    for a, b in zip((out1, loss1, *grads1), (out0, loss0, *grads0)):
+        scale = float(jnp.max(jnp.abs(b))) + 1e-30
+        np.testing.assert_allclose(a, b, rtol=0, atol=n * EPS * scale)
+    with pytest.raises(ValueError, match="chunk"):
+        with query_chunks(-1):
+            pass
+
+
+def test_lm_loss_under_query_chunks_matches_and_the_config_checks_it():
+    from specjax.models.attention import query_chunks
+    cfg = get_preset("tiny")
+    batch = _batch(cfg.vocab_size)
+    task = LMTask(cfg)
+    params = jax.jit(task.init_params)(jax.random.PRNGKey(0))
+    loss0, _, g0 = _loss_and_grads(task, params, batch)
+    with query_chunks(8):  # what the trainer wraps its loss in (config.train.attention_chunk)
+        loss1, _, g1 = _loss_and_grads(task, params, batch)
+    n = B * T + cfg.vocab_size + cfg.intermediate_size
+    np.testing.assert_allclose(loss1, loss0, rtol=0, atol=n * EPS * max(abs(float(loss0)), 1))
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=n * EPS * (float(jnp.max(jnp.abs(b))) + 1e-30))
+    c = default_config("lm").to_dict()
+    c["train"]["attention_chunk"] = -8
+    with pytest.raises(ConfigError, match="train.attention_chunk"):
+        validate_config(c)

@@ -3,7 +3,10 @@
 Four pieces:
 
 * :func:`grouped_attention`: dense grouped-query attention with a boolean mask (training, scoring
-  and the jnp reference of every cached mode).
+  and the jnp reference of every cached mode). Inside :func:`query_chunks` (at trace time) it
+  walks the queries in chunks, each under ``jax.checkpoint``, so that one chunk's
+  ``[B, H, chunk, S]`` scores are alive at a time instead of the whole ``[B, H, T, S]``, in the
+  forward and the backward pass (training at long sequences, docs/TPU.md "Memory").
 * :func:`write_kv`: writes one layer's new keys/values into the whole layered cache array
   ``[layers, slots, max_len, kv_heads, head_dim]`` at ``(layer, slot, position)``. One scatter into
   the full array, so under buffer donation (or as a ``lax.while_loop`` carry) XLA updates it in
@@ -27,6 +30,8 @@ to the next power of two and the ragged batch paying for its longest row.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Sequence
 
 import jax
@@ -49,6 +54,25 @@ def attention_weights_mask(q_pos, k_pos, q_seg=None, k_seg=None, k_valid=None):
     return mask
 
 
+_QUERY_CHUNK = contextvars.ContextVar("specjax_attention_query_chunk", default=0)
+
+
+@contextlib.contextmanager
+def query_chunks(chunk: int):
+    """Inside the ``with`` (at trace time), :func:`grouped_attention` computes ``chunk`` queries
+    at a time (``0``: all at once). Each query's output is the same computation as without (the
+    softmax of its own row of scores); only which rows are alive at once changes. A query length
+    that is not a multiple of ``chunk`` is padded with masked rows (dropped from the result); one
+    of at most ``chunk`` is computed in one piece."""
+    if chunk < 0:
+        raise ValueError(f"query_chunks: chunk must be >= 0, got {chunk}")
+    token = _QUERY_CHUNK.set(int(chunk))
+    try:
+        yield
+    finally:
+        _QUERY_CHUNK.reset(token)
+
+
 def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Grouped-query attention.
 
@@ -57,6 +81,25 @@ def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array)
     Returns:
       ``[B, T, H, Dh]`` in q's dtype. Softmax in f32; rows with no visible key give zeros.
     """
+    chunk, t = _QUERY_CHUNK.get(), q.shape[1]
+    if chunk <= 0 or t <= chunk:
+        return _dense_attention(q, k, v, mask)
+    pad = -t % chunk  # masked rows: zeros out, no gradient, sliced off
+    if pad:
+        q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        mask = jnp.pad(mask, ((0, 0), (0, pad), (0, 0)))
+    n = (t + pad) // chunk
+    qs = rearrange(q, "b (n c) h d -> n b c h d", n=n)
+    ms = rearrange(mask, "b (n c) s -> n b c s", n=n)
+    # checkpoint: the backward pass recomputes one chunk's scores instead of keeping all of them.
+    # Unrolled: XLA's cost analysis counts a loop's body once, which would hide all chunks but
+    # one from the FLOPs and bytes that AOT pre-flights report (specjax.aot).
+    one = jax.checkpoint(lambda qc, mc: _dense_attention(qc, k, v, mc))
+    _, out = jax.lax.scan(lambda carry, xs: (carry, one(*xs)), None, (qs, ms), unroll=True)
+    return rearrange(out, "n b c h d -> b (n c) h d")[:, :t]
+
+
+def _dense_attention(q, k, v, mask):
     dh = q.shape[-1]
     kvh = k.shape[2]
     qg = rearrange(q, "b t (k g) d -> b t k g d", k=kvh)  # query heads grouped by their KV head

@@ -61,6 +61,10 @@ def default_config(task: str = "lm") -> ml_collections.ConfigDict:
     # vocabulary loss (0 = the whole sequence at once; the logits are then [B, T, V] f32).
     c.train.remat = "none"
     c.train.logits_chunk = 0
+    # Queries per chunk of every attention in the loss (0 = all at once): one chunk's
+    # [B, H, chunk, T] scores alive at a time, recomputed in the backward pass
+    # (specjax.models.attention.query_chunks).
+    c.train.attention_chunk = 0
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.learning_rate = 3e-3  # peak
@@ -113,7 +117,8 @@ _CHOICES = {
 }
 _POSITIVE = ("data.seq_len", "data.batch_size", "train.num_steps", "train.grad_accum_steps",
              "train.log_every", "checkpoint.keep")
-_NON_NEGATIVE = ("data.max_docs", "train.eval_every", "train.logits_chunk", "optimizer.warmup_steps",
+_NON_NEGATIVE = ("data.max_docs", "train.eval_every", "train.logits_chunk",
+                 "train.attention_chunk", "optimizer.warmup_steps",
                  "optimizer.decay_steps", "optimizer.weight_decay", "optimizer.clip_norm",
                  "optimizer.learning_rate", "optimizer.end_lr_ratio", "distributed.num_processes")
 # Subtrees whose keys are not fixed by this schema (checked elsewhere).

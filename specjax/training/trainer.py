@@ -23,19 +23,18 @@ token-mean loss up to float summation order.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import time
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from specjax.models.attention import query_chunks
 from specjax.training import checkpoint as ckpt_lib
 from specjax.training import inputs as inputs_lib
 from specjax.training import metrics as metrics_lib
@@ -173,8 +172,9 @@ class Trainer:
 
     def _grads(self, params, batch, rng, frozen):
         """Loss, metrics, grads and the loss weight of one (micro)batch."""
-        (loss, metrics), grads = jax.value_and_grad(self.task.loss_fn, has_aux=True)(
-            params, batch, rng, frozen)
+        with query_chunks(self.config.train.attention_chunk):
+            (loss, metrics), grads = jax.value_and_grad(self.task.loss_fn, has_aux=True)(
+                params, batch, rng, frozen)
         metrics = dict(metrics)
         weight = jnp.asarray(metrics.pop(LOSS_WEIGHT, 1.0), jnp.float32)
         return loss, metrics, grads, weight
@@ -224,7 +224,8 @@ class Trainer:
         return new_state, metrics
 
     def _eval_fn(self, params, batch, frozen):
-        loss, metrics = self.task.loss_fn(params, batch, jax.random.PRNGKey(0), frozen)
+        with query_chunks(self.config.train.attention_chunk):
+            loss, metrics = self.task.loss_fn(params, batch, jax.random.PRNGKey(0), frozen)
         metrics = dict(metrics)
         metrics.setdefault(LOSS_WEIGHT, jnp.ones((), jnp.float32))
         return {"loss": loss, **metrics}
