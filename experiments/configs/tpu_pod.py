@@ -38,7 +38,8 @@ SEQ_LEN = 4096
 # 90 % of HBM (v5e 16 GiB, v6e 32 GiB, v5p 95 GiB): the longest sequence that fits in
 # experiments/results/tpu/table.json (docs/TPU.md; tests/test_pod_target.py checks that the two
 # agree). Every v5p-64 and v6e-16 row fits at 4096. Another slice of a listed chip takes the
-# shortest sequence listed for that chip, target and drafter.
+# shortest sequence listed for that chip, target and drafter. The table was compiled with
+# train.attention_chunk = 0; with 512, two of these rows fit at 4096 (docs/TPU.md, "Memory").
 TABLE_SLICES = ("v5p-64", "v6e-16", "v5e-8", "v5e-256")  # the slices of docs/TPU.md's table
 SHORTER_SEQ = {
     ("v5e-8", "qwen3-8b", "mtp"): 2048, ("v5e-8", "qwen3-8b", "dspark"): 2048,
