@@ -63,7 +63,11 @@ def query_chunks(chunk: int):
     at a time (``0``: all at once). Each query's output is the same computation as without (the
     softmax of its own row of scores); only which rows are alive at once changes. A query length
     that is not a multiple of ``chunk`` is padded with masked rows (dropped from the result); one
-    of at most ``chunk`` is computed in one piece."""
+    of at most ``chunk`` is computed in one piece.
+
+    The setting is read while a function is traced, and jit's cache does not key on it: enter the
+    ``with`` inside the traced function (as :class:`specjax.training.Trainer` does around its
+    loss), or around the first call of a new ``jax.jit``."""
     if chunk < 0:
         raise ValueError(f"query_chunks: chunk must be >= 0, got {chunk}")
     token = _QUERY_CHUNK.set(int(chunk))
