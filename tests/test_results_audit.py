@@ -5,8 +5,13 @@ import os
 
 from experiments import results_audit as A
 
-FULL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                    "experiments", "results", "full")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FULL = os.path.join(ROOT, "experiments", "results", "full")
+TPU = os.path.join(os.path.dirname(FULL), "tpu")
+
+
+def _tpu_doc() -> str:
+    return open(os.path.join(ROOT, "docs", "TPU.md")).read()
 
 
 def test_tau_misses_counts_cells_beyond_tolerance():
@@ -152,7 +157,7 @@ def test_quoted_rl_t06_three_seed_numbers_match_the_committed_results():
 def test_quoted_tpu_rejection_sampler_numbers_match_the_committed_results():
     """docs/TPU.md's Pallas rejection sampler: both kernels' compiled bytes as a share of one read
     of p and q, and their roofline times, from the one tpu_plan run."""
-    path = os.path.join(os.path.dirname(FULL), "tpu", "rejection", "plan.json")
+    path = os.path.join(TPU, "rejection", "plan.json")
     runs = {r["name"]: r for r in json.load(open(path))}
     one, two = runs["rejection[mosaic_tpu]"], runs["rejection[mosaic_tpu_two_phase]"]
     assert one["shapes"] == two["shapes"] == {"batch": 256, "gamma": 7, "vocab": 151936,
@@ -161,15 +166,14 @@ def test_quoted_tpu_rejection_sampler_numbers_match_the_committed_results():
     assert (share(one), share(two)) == (1.08, 0.20)
     assert (round(1e3 * one["roofline_seconds"], 2), round(1e3 * two["roofline_seconds"], 3)) == (
         0.77, 0.145)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    doc = open(os.path.join(root, "docs", "TPU.md")).read()
+    doc = _tpu_doc()
     for quoted in ("**1.08x one read of `p` and `q`**", "**0.20x one read of `p` and `q`**",
                    "(0.145 ms at the v5e roofline, against\n1.08x and 0.77 ms)"):
         assert quoted in doc, quoted
 
 def test_quoted_tpu_row_chunk_rounding_numbers_match_the_committed_results():
     """docs/TPU.md's rounding table and the tiling table it refers back to."""
-    tpu = os.path.join(os.path.dirname(FULL), "tpu", "chunk_fix")
+    tpu = os.path.join(TPU, "chunk_fix")
     default, tiled = json.load(open(os.path.join(tpu, "rounding.json")))
     keys = ("chunk", "chunk_rows", "rows_per_chip")
     assert [default[k] for k in keys] == ["default", 400, 50]
@@ -190,12 +194,10 @@ def test_quoted_tpu_row_chunk_rounding_numbers_match_the_committed_results():
 def test_quoted_tpu_fsdp_width_numbers_match_the_committed_results():
     """docs/TPU.md's "FSDP width": the width study's table, built here from its JSON, and the
     roofline times and memory of the pod table's v5e-256 rows before and after the change."""
-    tpu = os.path.join(os.path.dirname(FULL), "tpu")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    doc = open(os.path.join(root, "docs", "TPU.md")).read()
+    doc = _tpu_doc()
     flat = " ".join(doc.split())  # the prose's line breaks fall anywhere
     name = {"qwen3-4b": "Qwen3-4B", "qwen3-8b": "Qwen3-8B"}
-    width = json.load(open(os.path.join(tpu, "width", "width.json")))
+    width = json.load(open(os.path.join(TPU, "width", "width.json")))
     assert [(r["model"], r["fsdp"], r["data"]) for r in width] == [
         ("qwen3-4b", 256, 1), ("qwen3-4b", 32, 8), ("qwen3-8b", 256, 1), ("qwen3-8b", 32, 8)]
     for r in width:
@@ -208,8 +210,8 @@ def test_quoted_tpu_fsdp_width_numbers_match_the_committed_results():
     def v5e256(rows):
         return {(r["shapes"]["model"], r["shapes"]["drafter"]): r for r in rows
                 if r["topology"] == "v5e:16x16" and r["shapes"]["seq"] == 4096}
-    before = v5e256(json.load(open(os.path.join(tpu, "width", "table_before.json"))))
-    after = v5e256(json.load(open(os.path.join(tpu, "table.json"))))
+    before = v5e256(json.load(open(os.path.join(TPU, "width", "table_before.json"))))
+    after = v5e256(json.load(open(os.path.join(TPU, "table.json"))))
     for (model, drafter), label in [(("qwen3-4b", "mtp"), "4B + MTP"),
                                     (("qwen3-4b", "dspark"), "4B + DSpark"),
                                     (("qwen3-0.6b", "mtp"), "0.6B + MTP"),
@@ -229,10 +231,8 @@ def test_quoted_tpu_fsdp_width_numbers_match_the_committed_results():
 def test_quoted_tpu_attention_chunk_numbers_match_the_committed_results():
     """docs/TPU.md's attention-chunk table (built here from the four tpu_plan runs and the pod
     table's dense rows) and the numbers its paragraph quotes."""
-    tpu = os.path.join(os.path.dirname(FULL), "tpu")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    flat = " ".join(open(os.path.join(root, "docs", "TPU.md")).read().split())
-    table = json.load(open(os.path.join(tpu, "table.json")))
+    flat = " ".join(_tpu_doc().split())
+    table = json.load(open(os.path.join(TPU, "table.json")))
     label = {"qwen3-8b": "Qwen3-8B", "qwen3-4b": "Qwen3-4B", "mtp": "MTP", "dspark": "DSpark",
              "v5e:16x16": "v5e-256", "v5e:2x4": "v5e-8"}
 
@@ -242,7 +242,7 @@ def test_quoted_tpu_attention_chunk_numbers_match_the_committed_results():
     chunked = {}
     for name in ("qwen3-8b_mtp_v5e-256", "qwen3-8b_mtp_v5e-8", "qwen3-8b_dspark_v5e-8",
                  "qwen3-4b_dspark_v5e-8"):
-        (r,) = json.load(open(os.path.join(tpu, "attention", name, "plan.json")))
+        (r,) = json.load(open(os.path.join(TPU, "attention", name, "plan.json")))
         m, d, topo = r["shapes"]["model"], r["shapes"]["drafter"], r["topology"]
         assert r["shapes"]["seq"] == 4096 and name == f"{m}_{d}_{label[topo]}"
         dense = {x["shapes"]["seq"]: x for x in table if (x["shapes"]["model"], x["shapes"][
@@ -405,8 +405,7 @@ def test_quoted_rl_summary_table_matches_the_committed_results():
         ("no_spec", "sampled_gain"): (2.1, 0.8), ("rs_e2e_tv", "sampled_gain"): (3.4, 0.8),
         ("no_spec", "greedy_gain"): (0.2, 1.3), ("rs_e2e_tv", "greedy_gain"): (0.3, 1.2)}
 
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                         "benchmarks", "results")
+    bench = os.path.join(ROOT, "benchmarks", "results")
     speed = [json.load(open(os.path.join(bench, f"rl_rollout_speed{s}.json")))
              for s in ("", "_repeat")]
     assert [round(b["decoders"]["spec"]["speedup"], 2) for b in speed] == [0.81, 0.77]
@@ -444,8 +443,7 @@ def test_quoted_results_summary_table_matches_the_committed_results():
 def test_quoted_spec_vs_plain_summary_matches_the_committed_results():
     """docs/SPEC_VS_PLAIN.md's "In short" paragraph, from the committed benchmark JSON."""
     import numpy as np
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cells = json.load(open(os.path.join(root, "benchmarks", "results",
+    cells = json.load(open(os.path.join(ROOT, "benchmarks", "results",
                                         "spec_vs_plain.json")))["cells"]
     assert len(cells) == 18
     got = {}

@@ -27,7 +27,7 @@ directory every host mounts, e.g. a gcsfuse bucket)::
         --config.task.target_workdir /gcs/BUCKET/qwen3-8b-specjax \\
         --config.task.data_file /gcs/BUCKET/rows_4096.npz --workdir /gcs/BUCKET/runs/mtp-8b
 """
-from specjax.aot.chips import BF16_TILE_ROWS, chip_of, num_chips
+from specjax.aot.chips import chip_of, num_chips, whole_tiles_per_chip
 from specjax.models import get_preset
 from specjax.training.config import default_config
 import specjax.training.drafter_task  # noqa: F401  (registers the "drafter" task)
@@ -62,7 +62,7 @@ def fsdp_width(chips: int, hidden: int) -> int:
     from 15.0 to 13.1 GiB per chip (docs/TPU.md, "FSDP width").
     """
     for f in sorted((d for d in range(2, chips + 1) if chips % d == 0), reverse=True):
-        if hidden % f == 0 and (hidden // f) % BF16_TILE_ROWS == 0:
+        if whole_tiles_per_chip(hidden, f):
             return f
     return chips
 

@@ -56,6 +56,12 @@ CHIPS: dict[str, ChipSpec] = {
 BF16_TILE_ROWS = 16
 
 
+def whole_tiles_per_chip(hidden: int, fsdp: int) -> bool:
+    """Whether FSDP over ``fsdp`` chips leaves each chip an even share of the ``hidden`` rows that
+    is a multiple of :data:`BF16_TILE_ROWS`."""
+    return hidden % fsdp == 0 and (hidden // fsdp) % BF16_TILE_ROWS == 0
+
+
 def fsdp_tile_warning(hidden: int, fsdp: int) -> Optional[str]:
     """A pre-flight hint when FSDP over ``fsdp`` chips leaves each chip a share of the
     ``hidden`` dimension that is not whole bf16 tiles (``hidden / fsdp`` not a multiple of
@@ -66,7 +72,7 @@ def fsdp_tile_warning(hidden: int, fsdp: int) -> Optional[str]:
     15.0 GiB per chip with FSDP over all 256 chips and 13.1 GiB over 32 (docs/TPU.md, "FSDP
     width").
     """
-    if fsdp <= 1 or hidden % fsdp or (hidden // fsdp) % BF16_TILE_ROWS == 0:
+    if fsdp <= 1 or hidden % fsdp or whole_tiles_per_chip(hidden, fsdp):
         return None
     return (f"FSDP over {fsdp} chips leaves {hidden // fsdp} of the {hidden} hidden rows per "
             f"chip, not a multiple of {BF16_TILE_ROWS} (a bf16 TPU tile): gathered weights are "
