@@ -16,6 +16,14 @@ of them: ``engine.draft``, ``engine.verify``, ``engine.prefill``, ``engine.loop`
 ``rejection`` (the Pallas rejection sampler: the single-pass kernel, and the two-phase one where
 the vocabulary is a multiple of 128). ``--fit`` halves the sequence of a train step that
 does not fit until one does (at most ``--fit_tries`` times) and reports every attempt.
+``--explain_memory`` also prints, per program, what is alive at its memory peak, grouped by the
+op it comes from and its shape (:mod:`specjax.aot.peak`; ``notes.peak_live`` in the JSON), and
+``--xla_option NAME=VALUE`` (repeatable) compiles with a compiler option, as ``LIBTPU_INIT_ARGS``
+would set it on the TPU VM::
+
+    python -m experiments.tpu_plan --config experiments/configs/tpu_pod.py:qwen3-8b,mtp,v5e-8,4096 \
+        --topology v5e-8 --explain_memory --out plan \
+        --xla_option xla_tpu_enable_latency_hiding_scheduler=false
 
 ``--table`` compiles the documented grid instead (Qwen3-0.6B / 4B / 8B targets x MTP / DSpark
 drafters x v5e-8 / v5e-256 / v5p-64 / v6e-16, configs of ``experiments/configs/tpu_pod.py``), the
@@ -53,6 +61,12 @@ _FIT_TRIES = flags.DEFINE_integer("fit_tries", 2, "Most halvings with --fit.")
 _TABLE = flags.DEFINE_bool("table", False, "Compile the docs/TPU.md grid (ignores --config).")
 _SLOTS = flags.DEFINE_integer("engine_slots", 64, "Engine slots S.")
 _MAX_LEN = flags.DEFINE_integer("engine_max_len", 4096, "Engine cache length per slot.")
+_EXPLAIN = flags.DEFINE_bool("explain_memory", False, "Report what is alive at each program's "
+                             "memory peak (from a dump of the compilation; a few seconds more).")
+_XLA_OPTIONS = flags.DEFINE_multi_string(
+    "xla_option", [], "NAME=VALUE compiler option for every program (repeatable), as "
+    "LIBTPU_INIT_ARGS would set it on a TPU VM, e.g. "
+    "xla_tpu_enable_latency_hiding_scheduler=false.")
 _BUCKETS = flags.DEFINE_list("engine_buckets", [], "Verification token buckets (default: S and "
                              "S * (gamma + 1)).")
 
@@ -95,21 +109,31 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _train_reports(config, topology: str, fit: bool, tries: int) -> list:
+def _show(report) -> None:
+    """Prints a program's pre-flight notes: the FSDP tile warning and the memory breakdown."""
+    from specjax.aot import format_breakdown
+    if report.notes.get("warning"):
+        print(f"    note: {report.notes['warning']}", flush=True)
+    if "peak_live" in report.notes:
+        live = report.notes["peak_live"]
+        print(format_breakdown(live) if live else
+              "    alive at the peak: the compiler wrote no live ranges", flush=True)
+
+
+def _train_reports(config, topology: str, fit: bool, tries: int, compile_kw: dict) -> list:
     from specjax import aot
     reports = []
     cfg = config
     for attempt in range(tries + 1 if fit else 1):
         mesh = aot.topology_mesh(topology, cfg.mesh.to_dict())
-        report = aot.compile_program(aot.train_step(cfg, mesh), mesh, topology)
+        report = aot.compile_program(aot.train_step(cfg, mesh), mesh, topology, **compile_kw)
         report.shapes["model"] = cfg.model.preset
         reports.append(report)
         print(f"  {report.name} {cfg.model.preset} {cfg.data.batch_size}x{cfg.data.seq_len}: "
               f"{'fits' if report.fits else 'does NOT fit'} "
               f"({report.used_bytes / 2**30:.1f} of {report.hbm_bytes / 2**30:.1f} GiB) "
               f"[{report.compile_seconds:.0f}s]", flush=True)
-        if report.notes.get("warning"):
-            print(f"    note: {report.notes['warning']}", flush=True)
+        _show(report)
         if report.fits or cfg.data.seq_len <= 256:
             break
         cfg = cfg.copy_and_resolve_references()
@@ -120,13 +144,18 @@ def _train_reports(config, topology: str, fit: bool, tries: int) -> list:
 
 
 def plan(config, topology: str, programs, *, fit=False, tries=2, slots=64, max_len=4096,
-         buckets=None) -> list:
-    """Compiles the requested programs of ``config`` for ``topology``; returns report dicts."""
+         buckets=None, explain=False, xla_options=None) -> list:
+    """Compiles the requested programs of ``config`` for ``topology``; returns report dicts.
+
+    ``explain``: also report what is alive at each program's memory peak (``--explain_memory``);
+    ``xla_options``: compiler options for every program (``--xla_option``).
+    """
+    compile_kw = dict(explain_memory=explain, compiler_options=xla_options)
     from specjax import aot
     from specjax.training.lm_task import model_config_from
     reports = []
     if "train" in programs:
-        reports += _train_reports(config, topology, fit, tries)
+        reports += _train_reports(config, topology, fit, tries, compile_kw)
     target = model_config_from(config)
     engine = [p for p in programs if p == "engine" or p in ENGINE_STEPS]
     if engine:
@@ -144,7 +173,8 @@ def plan(config, topology: str, programs, *, fit=False, tries=2, slots=64, max_l
             if "engine" not in engine and p.name.split("[")[0] not in engine:
                 continue
             p.shapes["model"] = config.model.preset
-            reports.append(aot.compile_program(p, mesh, topology))
+            reports.append(aot.compile_program(p, mesh, topology, **compile_kw))
+            _show(reports[-1])
     if "rejection" in programs:
         n = len(aot.topology_devices(topology))
         mesh = aot.topology_mesh(topology, {"data": -1})
@@ -154,12 +184,16 @@ def plan(config, topology: str, programs, *, fit=False, tries=2, slots=64, max_l
         for backend in compiled_backends("tpu", target.vocab_size):
             p = aot.rejection_kernel(mesh, batch=n * max(1, slots // n), gamma=gamma,
                                      vocab=target.vocab_size, backend=backend)
-            reports.append(aot.compile_program(p, mesh, topology))
+            reports.append(aot.compile_program(p, mesh, topology, **compile_kw))
+            _show(reports[-1])
     return [r.to_dict() for r in reports]
 
 
-def table(out: str) -> list:
-    """The docs/TPU.md grid (see the module docstring); rewrites ``out/table.*`` after each row."""
+def table(out: str, **plan_kw) -> list:
+    """The docs/TPU.md grid (see the module docstring); rewrites ``out/table.*`` after each row.
+
+    ``plan_kw``: ``explain`` / ``xla_options`` for every row (see :func:`plan`).
+    """
     from experiments.configs.tpu_pod import TABLE_SLICES, get_config, table_sequences
     rows, errors = [], []
     os.makedirs(out, exist_ok=True)
@@ -171,7 +205,7 @@ def table(out: str) -> list:
                 try:
                     for seq in table_sequences():
                         config = get_config(f"{target},{drafter},{slice_name},{seq}")
-                        rows += plan(config, slice_name, ["train"])
+                        rows += plan(config, slice_name, ["train"], **plan_kw)
                         if rows[-1]["fits"]:
                             break
                 except Exception as e:  # noqa: BLE001 - record it, compile the other rows
@@ -197,10 +231,15 @@ def main(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from specjax.aot import LibtpuMissing
+    from specjax.compiler_options import parse_compiler_options
     start = time.time()
     try:
+        xla_options = parse_compiler_options(_XLA_OPTIONS.value)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    try:
         if _TABLE.value:
-            rows = table(_OUT.value)
+            rows = table(_OUT.value, explain=_EXPLAIN.value, xla_options=xla_options)
             stem = "table"
         else:
             if _CONFIG.value is None:
@@ -210,7 +249,9 @@ def main(argv) -> None:
                 raise app.UsageError(f"unknown --programs {sorted(bad)}")
             rows = plan(_CONFIG.value, _TOPOLOGY.value, _PROGRAMS.value, fit=_FIT.value,
                         tries=_FIT_TRIES.value, slots=_SLOTS.value, max_len=_MAX_LEN.value,
-                        buckets=[int(b) for b in _BUCKETS.value] or None)
+                        buckets=[int(b) for b in _BUCKETS.value] or None,
+                        explain=_EXPLAIN.value,
+                        xla_options=xla_options)
             stem = "plan"
     except LibtpuMissing as e:
         print(f"error: {e}", file=sys.stderr)

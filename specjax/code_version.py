@@ -27,7 +27,7 @@ DATA_SOURCES = ("data/corpus.py", "data/math_problems.py", "data/tokenizer.py",
 #: A pretrained target: its data (above, plus the input pipeline), the model, and the training
 #: stack that turns both into parameters.
 TARGET_SOURCES = DATA_SOURCES + (
-    "data/pipeline.py",
+    "compiler_options.py", "data/pipeline.py",
     "models/attention.py", "models/config.py", "models/kv_cache.py", "models/layers.py",
     "models/transformer.py",
     "training/checkpoint.py", "training/config.py", "training/distributed.py",

@@ -1,8 +1,10 @@
-"""Slice names, chip figures and the compiler's out-of-memory message (no libtpu needed)."""
+"""Slice names, chip figures, the compiler's out-of-memory message and compiler options (no libtpu
+needed)."""
 import pytest
 
 from specjax.aot import chips
 from specjax.aot.compile import parse_oom
+from specjax.compiler_options import parse_compiler_options
 
 
 @pytest.mark.parametrize("name,topology,n", [
@@ -48,3 +50,17 @@ def test_fsdp_tile_warning_names_partial_bf16_tiles_per_chip():
     assert w.startswith("FSDP over 256 chips leaves 10 of the 2560 hidden rows per chip")
     assert fsdp_tile_warning(2560, 64) is not None  # 40 rows: 2.5 tiles
     assert fsdp_tile_warning(100, 3) is None  # uneven shards: no per-chip share to reason about
+
+
+def test_parse_compiler_options_types_values_and_refuses_bare_names():
+    got = parse_compiler_options(["xla_a=false", "--xla_b=12", "xla_c=0.5", "xla_d=abc",
+                                  "xla_e=TRUE", " xla_f = 3 "])
+    assert got == {"xla_a": False, "xla_b": 12, "xla_c": 0.5, "xla_d": "abc", "xla_e": True,
+                   "xla_f": 3}
+    assert type(got["xla_b"]) is int and type(got["xla_a"]) is bool
+    assert parse_compiler_options([]) == {} == parse_compiler_options("")
+    # one comma-separated string, as config.train.tpu_compiler_options holds it
+    assert parse_compiler_options("xla_a=false, xla_b=2,") == {"xla_a": False, "xla_b": 2}
+    for bad in ("xla_a", "=1"):
+        with pytest.raises(ValueError, match="NAME=VALUE"):
+            parse_compiler_options([bad])

@@ -36,6 +36,7 @@ def _compile(program, mesh):
     assert report.roofline_seconds > 0
     # XLA's own estimate is kept only where it is one (libtpu reports negative times on v5e)
     assert report.compiler_seconds is None or report.compiler_seconds >= 0
+    assert "peak_live" not in report.notes  # only with explain_memory=True
     return report
 
 
@@ -154,13 +155,59 @@ def test_oversized_config_is_reported_not_fitting_with_its_numbers():
     c = _train_config(batch_size=128, seq_len=1024)
     c.model.overrides.vocab_size = 151936
     mesh = aot.topology_mesh(TOPOLOGY, c.mesh.to_dict())
-    big = aot.compile_program(aot.train_step(c, mesh), mesh, TOPOLOGY)
+    big = aot.compile_program(aot.train_step(c, mesh), mesh, TOPOLOGY, explain_memory=True)
     assert not big.fits
     assert big.used_bytes > aot.HBM_BUDGET * big.hbm_bytes
     assert big.compiled or "RESOURCE_EXHAUSTED" in big.error
     assert big.used_bytes > 0 and big.hbm_bytes == 16 * 2**30
     row = big.to_dict()
     assert row["fits"] is False and row["hbm_fraction"] > aot.HBM_BUDGET
+    # and says why, refused or not: the largest thing alive at its peak is those f32 logits
+    top = big.notes["peak_live"]["groups"][0]
+    assert top["shape"] == "f32[32,1024,151936]" and top["count"] == 1
+    assert top["bytes"] == 32 * 1024 * 151936 * 4
+
+
+def test_explain_memory_names_the_buffer_that_fills_the_peak():
+    """``explain_memory=True`` reads what is alive at the compiled program's peak from XLA's dump:
+    a sort must hold its whole ``[n, n]`` operand, so an ``f32[n, n]`` group is there."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.aot.compile import replicated_like
+    n = 2048
+    mesh = aot.topology_mesh(TOPOLOGY, {"data": -1})
+    vec = replicated_like(jax.ShapeDtypeStruct((n,), jnp.float32), mesh)
+    fn = jax.jit(lambda a, b: jnp.sort(jnp.outer(a, b), axis=1)[:, :8])
+    r = aot.compile_report("sort_outer", lambda: fn.lower(vec, vec), mesh, TOPOLOGY,
+                           explain_memory=True)
+    live = r.notes["peak_live"]
+    assert r.compiled and live is not None, r.notes
+    assert sum(g["bytes"] for g in live["groups"]) == live["peak_bytes"]
+    square = [g for g in live["groups"] if g["shape"] == f"f32[{n},{n}]"]
+    assert square and square[0]["bytes"] >= n * n * 4
+    assert 0 <= square[0]["first_start"] <= live["peak_position"] <= live["program_length"]
+    # every value alive at the peak sits in the program's arguments, outputs or temporaries
+    assert live["peak_bytes"] <= r.used_bytes
+    assert "alive at the peak" in aot.format_breakdown(live)
+    # compiler options reach the compiler: an unknown one is refused by name
+    with pytest.raises(Exception, match="xla_no_such_option"):
+        aot.compile_report("sort_outer", lambda: fn.lower(vec, vec), mesh, TOPOLOGY,
+                           compiler_options={"xla_no_such_option": True})
+
+
+def test_config_tpu_compiler_options_reach_the_compiled_train_step():
+    """``config.train.tpu_compiler_options`` is in the trainer's jit when its mesh is a TPU's: the
+    pre-flight compiles the step with it (an unknown name is refused by name) and records it."""
+    c = _train_config()
+    c.train.tpu_compiler_options = "xla_tpu_enable_latency_hiding_scheduler=false"
+    mesh = aot.topology_mesh(TOPOLOGY, c.mesh.to_dict())
+    program = aot.train_step(c, mesh)
+    assert program.notes["compiler_options"] == {"xla_tpu_enable_latency_hiding_scheduler": False}
+    assert aot.compile_program(program, mesh, TOPOLOGY).compiled
+    c.train.tpu_compiler_options = "xla_tpu_no_such_option=1"
+    with pytest.raises(Exception, match="xla_tpu_no_such_option"):
+        aot.compile_program(aot.train_step(c, mesh), mesh, TOPOLOGY)
 
 
 @pytest.mark.parametrize("order", ["host", "loop"])
@@ -241,15 +288,20 @@ def test_fsdp_keeps_the_batch_split_as_chips_grow(tmp_path):
 def test_tpu_plan_compiles_one_kind_of_engine_step(tmp_path):
     """``python -m experiments.tpu_plan --programs engine.prefill`` compiles the engine's prefill
     step alone (``engine`` would compile the draft, each verification bucket and the device loop
-    too). A subprocess: the entry point's absl flags (``--config``) must not meet another
-    entry point's in this test process."""
+    too), here with ``--explain_memory`` and an ``--xla_option``. A subprocess: the entry point's
+    absl flags (``--config``) must not meet another entry point's in this test process."""
     import json
 
     from _tiny_runs import hermetic_env, run_module
     run_module(hermetic_env(tmp_path), "experiments.tpu_plan",
                "--config", "experiments/configs/train_drafter.py:mtp_e2e_tv,tiny",
                "--topology", TOPOLOGY, "--programs", "engine.prefill", "--engine_slots", 4,
-               "--engine_max_len", 256, "--out", tmp_path / "plan")
+               "--engine_max_len", 256, "--out", tmp_path / "plan", "--explain_memory",
+               "--xla_option", "xla_tpu_enable_latency_hiding_scheduler=false")
     rows = json.loads((tmp_path / "plan" / "plan.json").read_text())
     assert [r["name"] for r in rows] == ["engine.prefill[C=256]"]
     assert rows[0]["compiled"] and rows[0]["fits"] and "whole_copies" in rows[0]["notes"]
+    notes = rows[0]["notes"]
+    assert notes["compiler_options"] == {"xla_tpu_enable_latency_hiding_scheduler": False}
+    live = notes["peak_live"]
+    assert sum(g["bytes"] for g in live["groups"]) == live["peak_bytes"] <= rows[0]["used_bytes"]

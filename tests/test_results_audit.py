@@ -572,3 +572,91 @@ def test_quoted_rl_t06_five_seed_numbers_match_the_committed_results():
     for g in same.values():
         assert g["holds"] and [(x["seed"], x["same_text"], x["problems"]) for x in
                                g["per_seed"]] == [(4, 200, 200)]
+
+
+def test_quoted_tpu_peak_breakdown_numbers_match_the_committed_results():
+    """docs/TPU.md's "What fills a v5e-8 chip" section: its table (built here from the six
+    ``tpu_plan --explain_memory`` runs) and the numbers its paragraphs quote."""
+    flat = " ".join(_tpu_doc().split())
+    runs = {}
+    for name in ("default", "attention_chunk_512", "no_latency_hiding_scheduler",
+                 "no_windowed_einsum", "no_windowed_einsum_attention_chunk_512",
+                 "dspark_no_windowed_einsum_attention_chunk_512"):
+        (r,) = json.load(open(os.path.join(TPU, "peak", name, "plan.json")))
+        assert (r["shapes"]["model"], r["topology"], r["shapes"]["seq"]) == \
+            ("qwen3-8b", "v5e:2x4", 4096)
+        assert r["shapes"]["drafter"] == ("dspark" if name.startswith("dspark") else "mtp")
+        assert r["shapes"]["attention_chunk"] == (512 if name.endswith("chunk_512") else 0)
+        options = r["notes"].get("compiler_options", {})
+        assert options == ({"xla_tpu_enable_latency_hiding_scheduler": False}
+                           if name == "no_latency_hiding_scheduler" else
+                           {"xla_tpu_enable_windowed_einsum_for_all_gather": False}
+                           if "windowed" in name else {})
+        runs[name] = r
+
+    def largest(r):
+        """The doc's words for the largest group: the compiler's op, or what the op computes."""
+        g = r["notes"]["peak_live"]["groups"][0]
+        if g["label"] == "AllocateBuffer":
+            kind = "AllocateBuffer"
+        elif "bkgts" in g["label"]:  # grouped attention's score einsum (models/attention.py)
+            kind = "attention scores"
+        else:
+            assert "...d,dv->...v" in g["label"], g  # the LM head's matmul (models/transformer.py)
+            kind = "LM-head matmul" + (" all-gather" if g["label"].startswith("all-gather") else "")
+        return f"{g['count']} x {kind} `{g['shape']}`, {g['bytes'] / 2**30:.2f} GiB"
+
+    for name, r in runs.items():
+        cells = (f"{r['used_bytes'] / 2**30:.1f} / 16.0 | "
+                 f"{'**yes**' if r['fits'] else 'no'} | {r['flops'] / 1e12:.0f} | "
+                 f"{r['bytes_accessed'] / 1e9:.0f} | {r['roofline_seconds']:.3g} | "
+                 f"{r['notes']['peak_live']['peak_bytes'] / 2**30:.1f} GiB; {largest(r)} |")
+        assert f"(`{name}`) | {cells}" in flat, (name, cells)
+    # the pod config's peak: what the paragraph under the command quotes
+    live = runs["default"]["notes"]["peak_live"]
+    g = {(x["label"], x["shape"]): x for x in live["groups"]}
+    mlp = g[("AllocateBuffer", "bf16[1,4096,12288]")]
+    q = g[("AllocateBuffer", "bf16[1,4096,32,128]")]
+    kv = g[("AllocateBuffer", "bf16[1,4096,8,128]")]
+    assert f"Of the {live['peak_bytes'] / 2**30:.1f} GiB alive at its peak (position " \
+           f"{live['peak_position']:,} of {live['program_length']:,}), " \
+           f"{mlp['bytes'] / 2**30:.2f} GiB are {mlp['count']} `AllocateBuffer`s" in flat
+    qkv = (q["bytes"] + kv["bytes"]) / 2**30
+    assert f"{qkv:.1f} GiB more are {q['count']} `[1,4096,32,128]` query and {kv['count']} " \
+           f"`[1,4096,8,128]`" in flat
+    first = min(x["first_start"] for x in (mlp, q, kv))
+    last = max(x["last_start"] for x in (mlp, q, kv))
+    ends = (min(x["first_end"] for x in (mlp, q, kv)), max(x["last_end"] for x in (mlp, q, kv)))
+    assert f"start between positions {first:,} and {last:,}" in flat
+    assert f"end between positions {ends[0]:,} and {ends[1]:,}" in flat
+    assert last < live["peak_position"] < ends[1]
+    # the options' effect
+    for name in ("no_latency_hiding_scheduler", "no_windowed_einsum"):
+        labels = [x["label"] for x in runs[name]["notes"]["peak_live"]["groups"]]
+        assert "AllocateBuffer" not in labels
+    assert "AllocateBuffer" in [x["label"] for x in
+                                runs["attention_chunk_512"]["notes"]["peak_live"]["groups"]]
+    table = json.load(open(os.path.join(TPU, "table.json")))
+    at2048 = {r["shapes"]["drafter"]: r for r in table if (r["shapes"]["model"], r["topology"],
+              r["shapes"]["seq"]) == ("qwen3-8b", "v5e:2x4", 2048)}
+    at4096 = {r["shapes"]["drafter"]: r for r in table if (r["shapes"]["model"], r["topology"],
+              r["shapes"]["seq"]) == ("qwen3-8b", "v5e:2x4", 4096)}
+    m, d = runs["no_windowed_einsum_attention_chunk_512"], \
+        runs["dspark_no_windowed_einsum_attention_chunk_512"]
+    pct = lambda r: round(100 * r["hbm_fraction"])  # noqa: E731
+    assert f"{m['used_bytes'] / 2**30:.1f} GiB for MTP ({pct(m)} % of HBM) " \
+           f"and {d['used_bytes'] / 2**30:.1f} GiB for DSpark ({pct(d)} %), " \
+           f"against {at2048['mtp']['used_bytes'] / 2**30:.1f} and " \
+           f"{at2048['dspark']['used_bytes'] / 2**30:.1f} GiB" in flat
+    for r, dense, word in ((m, at4096["mtp"], "MTP"), (d, at4096["dspark"], "DSpark")):
+        assert r["flops"] > dense["flops"] and r["bytes_accessed"] < dense["bytes_accessed"]
+        assert r["roofline_seconds"] < dense["roofline_seconds"]
+    assert f"({m['flops'] / at4096['mtp']['flops']:.2f}x the FLOPs for MTP, " \
+           f"{d['flops'] / at4096['dspark']['flops']:.2f}x for DSpark" in flat
+    assert f"reads fewer bytes ({m['bytes_accessed'] / at4096['mtp']['bytes_accessed']:.2f}x and " \
+           f"{d['bytes_accessed'] / at4096['dspark']['bytes_accessed']:.2f}x)" in flat
+    assert f"({m['roofline_seconds']:.3g} against {at4096['mtp']['roofline_seconds']:.3g} s; " \
+           f"{d['roofline_seconds']:.3g} against {at4096['dspark']['roofline_seconds']:.3g} s)" \
+           in flat
+    seconds = [r["compile_seconds"] for r in runs.values()]
+    assert f"{min(seconds):.0f} to {max(seconds):.0f} s of compilation each" in flat

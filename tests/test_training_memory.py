@@ -133,3 +133,26 @@ def test_lm_loss_under_query_chunks_matches_and_the_config_checks_it():
     c["train"]["attention_chunk"] = -8
     with pytest.raises(ConfigError, match="train.attention_chunk"):
         validate_config(c)
+
+
+def test_tpu_compiler_options_are_checked_and_kept_off_other_backends():
+    """``config.train.tpu_compiler_options`` must parse as ``name=value`` items, and a trainer on
+    CPU devices leaves them out of its jits: the CPU compiler refuses a TPU option by name
+    (``tests/test_aot_tpu.py`` checks that a TPU compile does get them)."""
+    from specjax.training import Trainer
+    c = default_config("lm").to_dict()
+    c["train"]["tpu_compiler_options"] = "xla_tpu_enable_windowed_einsum_for_all_gather"
+    with pytest.raises(ConfigError, match="train.tpu_compiler_options.*NAME=VALUE"):
+        validate_config(c)
+    c = default_config("lm")
+    c.model.preset = "tiny"
+    c.data.seq_len, c.data.batch_size = 16, jax.device_count()
+    c.checkpoint.every = -1
+    c.output.progress_bar = False
+    c.train.tpu_compiler_options = "xla_tpu_enable_windowed_einsum_for_all_gather=false"
+    trainer = Trainer(c)
+    assert trainer.compiler_options is None
+    it = SyntheticLMIterator(batch_size=jax.device_count(), seq_len=16,
+                             vocab_size=trainer.task.model_config.vocab_size)
+    _, metrics = trainer.step(trainer.init_state(), next(it))
+    assert np.isfinite(float(metrics["loss"]))

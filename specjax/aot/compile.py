@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import math
 import re
+import tempfile
 import time
 from typing import Any, Callable, Mapping, Optional
 
@@ -43,6 +44,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from specjax.aot import chips as chips_lib
+from specjax.aot import peak as peak_lib
 from specjax.aot.env import ensure_libtpu
 from specjax.training import sharding as sharding_lib
 
@@ -148,7 +150,9 @@ def _chip_and_share(mesh: Mesh, topology: str):
 def compile_report(name: str, lower: Callable[[], Any], mesh: Mesh, topology: str, *,
                    shapes: Optional[dict] = None, model_flops: Optional[float] = None,
                    notes: Optional[dict] = None, loop_multiplier: int = 1,
-                   copy_watch: Optional[int] = None) -> ProgramReport:
+                   copy_watch: Optional[int] = None,
+                   explain_memory: bool = False,
+                   compiler_options: Optional[Mapping[str, Any]] = None) -> ProgramReport:
     """Lowers (``lower()`` under ``jax.set_mesh(mesh)``), compiles and reports one program.
 
     Args:
@@ -166,6 +170,15 @@ def compile_report(name: str, lower: Callable[[], Any], mesh: Mesh, topology: st
       copy_watch: element count of one chip's share of a large array (the engine's layered KV
         cache): ``notes["whole_copies"]`` counts the compiled program's ``copy`` instructions
         with that many elements, in any shape (the compiler may flatten the array first).
+      explain_memory: dump the compilation to a temporary directory and put what is alive at
+        the memory peak, grouped by source op and shape, in ``notes["peak_live"]``
+        (:func:`specjax.aot.peak.peak_breakdown`), also for a program the compiler refuses for
+        lack of memory (its buffers are assigned before the refusal); ``None`` if the compiler
+        wrote no live ranges. Costs a few seconds and a dump of the HLO (up to a few hundred MB,
+        removed afterwards); ``compile_seconds`` includes writing the dump.
+      compiler_options: XLA / libtpu options for this compilation, e.g.
+        ``{"xla_tpu_enable_latency_hiding_scheduler": False}`` (what ``LIBTPU_INIT_ARGS`` would
+        set on a TPU VM); kept in ``notes["compiler_options"]``. An unknown name is an error.
     Returns:
       A :class:`ProgramReport`; a compiler refusal for lack of memory is a report with
       ``compiled=False`` and the compiler's numbers, any other error is raised.
@@ -178,19 +191,30 @@ def compile_report(name: str, lower: Callable[[], Any], mesh: Mesh, topology: st
         compiled=False, hbm_bytes=chip.hbm_bytes // per_chip, notes=dict(notes or {}),
         model_flops=None if model_flops is None else model_flops / n)
     start = time.perf_counter()
+    options = dict(compiler_options or {})
+    if options:  # on top of any the program's jit carries (already in notes, if so)
+        report.notes["compiler_options"] = {**report.notes.get("compiler_options", {}), **options}
+    dump = tempfile.TemporaryDirectory(prefix="specjax_xla_dump_") if explain_memory else None
+    if dump is not None:
+        options["xla_dump_to"] = dump.name
     try:
         with jax.set_mesh(mesh):
-            compiled = lower().compile()
+            lowered = lower()
+            compiled = lowered.compile(options) if options else lowered.compile()
     except Exception as e:  # noqa: BLE001 - only the compiler's OOM is a result, re-raised else
         msg = str(e)
         oom = parse_oom(msg)
         if "RESOURCE_EXHAUSTED" not in msg or oom is None:
+            if dump is not None:
+                dump.cleanup()
             raise
         report.compile_seconds = time.perf_counter() - start
         report.peak_bytes = oom[0]
         report.error = msg.strip().splitlines()[0][:400]
+        _explain(report, dump)
         return report
     report.compile_seconds = time.perf_counter() - start
+    _explain(report, dump)
     report.compiled = True
     if copy_watch is not None:
         report.notes["whole_copies"] = count_copies(compiled.as_text(), copy_watch)
@@ -227,6 +251,16 @@ def compile_report(name: str, lower: Callable[[], Any], mesh: Mesh, topology: st
     if report.model_flops is not None and report.roofline_seconds > 0:
         report.mfu = report.model_flops / (report.roofline_seconds * peak)
     return report
+
+
+def _explain(report: ProgramReport, dump) -> None:
+    """``notes["peak_live"]`` from a compilation's dump directory (then removed)."""
+    if dump is None:
+        return
+    try:
+        report.notes["peak_live"] = peak_lib.peak_breakdown(dump.name)
+    finally:
+        dump.cleanup()
 
 
 def count_copies(hlo_text: str, elements: int) -> int:

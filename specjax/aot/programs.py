@@ -88,7 +88,8 @@ def train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> Program:
     target = trainer.task.target_config if cfg.task.name == "drafter" else \
         trainer.task.model_config
     shapes = {"batch": b, "seq": t, "model": cfg.model.preset, "remat": cfg.train.remat,
-              "logits_chunk": cfg.train.logits_chunk, "grad_accum": cfg.train.grad_accum_steps}
+              "logits_chunk": cfg.train.logits_chunk, "grad_accum": cfg.train.grad_accum_steps,
+              "attention_chunk": cfg.train.attention_chunk}
     if cfg.task.name == "lm":
         flops = 3 * forward_flops_per_token(target, t) * b * t
         name = "train_step"
@@ -106,9 +107,12 @@ def train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> Program:
         shapes.update(drafter=cfg.task.drafter, loss=cfg.task.loss, gamma=task.gamma,
                       anchors_per_row=cfg.task.anchors_per_row)
     warning = fsdp_tile_warning(target.hidden_size, mesh.shape.get("fsdp", 1))
+    notes = {"warning": warning} if warning else {}
+    if trainer.compiler_options:  # config.train.tpu_compiler_options, in the step's jit
+        notes["compiler_options"] = dict(trainer.compiler_options)
     return Program(
         name=name, shapes=shapes, model_flops=float(flops),
-        loop_multiplier=cfg.train.grad_accum_steps, notes={"warning": warning} if warning else {},
+        loop_multiplier=cfg.train.grad_accum_steps, notes=notes,
         lower=lambda: trainer._step.lower(trainer.abstract_state, batch, trainer.abstract_frozen))
 
 

@@ -20,6 +20,7 @@ from typing import Any, Mapping, Optional
 
 import ml_collections
 
+from specjax.compiler_options import parse_compiler_options
 from specjax.training import registry
 from specjax.training import sharding as sharding_lib
 from specjax.training.errors import ConfigError
@@ -65,6 +66,11 @@ def default_config(task: str = "lm") -> ml_collections.ConfigDict:
     # [B, H, chunk, T] scores alive at a time, recomputed in the backward pass
     # (specjax.models.attention.query_chunks).
     c.train.attention_chunk = 0
+    # XLA / libtpu options for the jitted train and eval steps when they are compiled for TPU
+    # (on a TPU VM, and by the experiments.tpu_plan pre-flight; ignored on CPU / GPU), as
+    # "name=value,name=value" (specjax.compiler_options), e.g.
+    # "xla_tpu_enable_windowed_einsum_for_all_gather=false" (docs/TPU.md, "What fills a chip").
+    c.train.tpu_compiler_options = ""
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.learning_rate = 3e-3  # peak
@@ -246,6 +252,10 @@ def validate_config(config: Any, *, num_devices: Optional[int] = None,
         raise ConfigError(f"config.optimizer.warmup_steps ({merged['optimizer']['warmup_steps']}) "
                           f"exceeds config.train.num_steps ({merged['train']['num_steps']})")
     _check_model(merged["model"])
+    try:
+        parse_compiler_options(merged["train"]["tpu_compiler_options"])
+    except ValueError as e:
+        raise ConfigError(f"config.train.tpu_compiler_options: {e}") from None
     registry.validate_task_config(task_name, merged["task"])
     train_domains = train_domain_names(merged["data"])
     if train_domains:

@@ -34,6 +34,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from specjax.compiler_options import parse_compiler_options
 from specjax.models.attention import query_chunks
 from specjax.training import checkpoint as ckpt_lib
 from specjax.training import inputs as inputs_lib
@@ -129,16 +130,21 @@ class Trainer:
             self.mesh, sharding_lib.batch_sharding(self.mesh, 1).spec)
         replicated = sharding_lib.replicated(self.mesh)
 
+        # TPU-only compiler options: the CPU and GPU compilers refuse TPU flags by name.
+        self.compiler_options = (
+            parse_compiler_options(cfg.train.tpu_compiler_options)
+            if self.mesh.devices.flat[0].platform == "tpu" else {}) or None
         self._init = jax.jit(self._init_fn, out_shardings=self.state_shardings)
         self._step = jax.jit(
             self._on_mesh(self._train_step),
             in_shardings=(self.state_shardings, self._batch_sharding, self.frozen_shardings),
-            out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+            out_shardings=(self.state_shardings, replicated), donate_argnums=0,
+            compiler_options=self.compiler_options)
         self._eval_step = jax.jit(
             self._on_mesh(self._eval_fn),
             in_shardings=(self.state_shardings.params, self._batch_sharding,
                           self.frozen_shardings),
-            out_shardings=replicated)
+            out_shardings=replicated, compiler_options=self.compiler_options)
 
         self.checkpointer = None
         if self.workdir and cfg.checkpoint.every >= 0:
