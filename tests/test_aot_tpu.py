@@ -196,6 +196,30 @@ def test_explain_memory_names_the_buffer_that_fills_the_peak():
                            compiler_options={"xla_no_such_option": True})
 
 
+def test_windowed_einsum_loops_are_counted_once_by_the_cost_analysis():
+    """What docs/TPU.md says of the table's FLOPs: on 8 chips an FSDP matmul compiles to a
+    windowed einsum, a loop whose body XLA's cost analysis counts once, so the compiled FLOPs
+    fall short of the matmul's; with windowed einsums off they are the matmul's own. (If a libtpu
+    counts the loop's trips, this fails: the docs' caveat is then stale.)"""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = aot.topology_mesh("v5e:2x4", {"data": 1, "fsdp": -1, "tensor": 1})
+    split = NamedSharding(mesh, PartitionSpec("fsdp"))
+    b, t, d, f = 8, 4096, 4096, 12288  # one Qwen3-8B MLP input projection, one row per chip
+    x = jax.ShapeDtypeStruct((b, t, d), jnp.bfloat16, sharding=split)
+    w = jax.ShapeDtypeStruct((d, f), jnp.bfloat16, sharding=split)
+    fn = jax.jit(lambda x, w: jnp.einsum("btd,df->btf", x, w), out_shardings=split)
+    matmul = 2 * b * t * d * f / 8  # per chip
+    windowed = aot.compile_report("mm", lambda: fn.lower(x, w), mesh, "v5e:2x4")
+    plain = aot.compile_report(
+        "mm", lambda: fn.lower(x, w), mesh, "v5e:2x4",
+        compiler_options={"xla_tpu_enable_windowed_einsum_for_all_gather": False})
+    assert plain.flops == pytest.approx(matmul, rel=1e-3)
+    assert windowed.flops < 0.75 * matmul
+
+
 def test_config_tpu_compiler_options_reach_the_compiled_train_step():
     """``config.train.tpu_compiler_options`` is in the trainer's jit when its mesh is a TPU's: the
     pre-flight compiles the step with it (an unknown name is refused by name) and records it."""

@@ -22,8 +22,9 @@ each TensorCore of a chip as a device):
 * cost: ``compiled.cost_analysis()`` FLOPs and bytes accessed (HBM traffic as the compiler models
   it; a Pallas kernel counts as the bytes of its operands and results). XLA counts the body of a
   loop once: gradient accumulation's microbatch loop is scaled by ``loop_multiplier``, and the
-  compute time uses ``max(compiler FLOPs, model FLOPs)`` so that inner loops (chunked losses) do
-  not make a step look cheaper than its model FLOPs.
+  compute time uses ``max(compiler FLOPs, model FLOPs)`` so that inner loops (chunked losses, and
+  the windowed einsums XLA may compile FSDP matmuls to) do not make a step look cheaper than its
+  model FLOPs. Their bytes are counted once too: the roofline stays a lower bound, a looser one.
 * roofline: ``max(flops / peak_flops, bytes / hbm_bandwidth)`` with the chip figures of
   :mod:`specjax.aot.chips`: a lower bound on the step time (collectives and imperfect overlap are
   not in it). ``mfu``: the caller's model FLOPs (e.g. ``6 N`` per trained token) over
