@@ -92,6 +92,10 @@ class Trainer:
         checkpointing and files (in-memory runs, e.g. tests of the step).
       task: defaults to the registered task named by ``config.task.name``.
       mesh: defaults to :func:`sharding.make_mesh` over all devices with ``config.mesh``.
+
+    ``compiler_options``: ``config.train.tpu_compiler_options`` as a dict when the mesh's devices
+    are TPUs (a TPU VM, or a topology's devices for ahead-of-time compilation), else ``None``;
+    the train and eval steps are jitted with it.
     """
 
     def __init__(self, config: Any, *, workdir: Optional[str] = None,
