@@ -117,7 +117,7 @@ def _show(report) -> None:
     if "peak_live" in report.notes:
         live = report.notes["peak_live"]
         print(format_breakdown(live) if live else
-              "    alive at the peak: the compiler wrote no live ranges", flush=True)
+              "    alive at the peak: no live-range peak in the compiler's dump", flush=True)
 
 
 def _train_reports(config, topology: str, fit: bool, tries: int, compile_kw: dict) -> list:

@@ -174,9 +174,10 @@ def compile_report(name: str, lower: Callable[[], Any], mesh: Mesh, topology: st
       explain_memory: dump the compilation to a temporary directory and put what is alive at
         the memory peak, grouped by source op and shape, in ``notes["peak_live"]``
         (:func:`specjax.aot.peak.peak_breakdown`), also for a program the compiler refuses for
-        lack of memory (its buffers are assigned before the refusal); ``None`` if the compiler
-        wrote no live ranges. Costs a few seconds and a dump of the HLO (up to a few hundred MB,
-        removed afterwards); ``compile_seconds`` includes writing the dump.
+        lack of memory (its buffers are assigned before the refusal); ``None`` if the dump has no
+        live-range peak (another libtpu may name or format it otherwise). Costs a few seconds
+        and a dump of the HLO (up to a few hundred MB, removed afterwards); ``compile_seconds``
+        includes writing the dump.
       compiler_options: XLA / libtpu options for this compilation, e.g.
         ``{"xla_tpu_enable_latency_hiding_scheduler": False}`` (what ``LIBTPU_INIT_ARGS`` would
         set on a TPU VM); kept in ``notes["compiler_options"]``. An unknown name is an error.
