@@ -110,6 +110,7 @@ def test_format_breakdown_lists_every_group():
     assert "192.0 MiB" in lines[1]
     assert "2 x  AllocateBuffer bf16[1,4096,12288]  [start 1-3, end 20-30]" in lines[1]
     assert lines[-1].rstrip().endswith("<unknown>")  # no live range known: no positions
+    assert "1.0 MiB" in lines[3] and "4.0 KiB" in lines[4]  # the parameter, the fusion
 
 
 @pytest.mark.parametrize("type_text,index,shape", [

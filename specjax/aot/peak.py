@@ -188,9 +188,11 @@ def peak_breakdown(dump_dir: str, *, top: int = 12) -> Optional[dict]:
 
 
 def format_breakdown(result: dict, *, indent: str = "    ") -> str:
-    """Printable lines of a :func:`breakdown` result (sizes in MiB / GiB)."""
+    """Printable lines of a :func:`breakdown` result (sizes in KiB / MiB / GiB)."""
     def size(n):
-        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+        if n >= 2**30:
+            return f"{n / 2**30:.2f} GiB"
+        return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
     where = f"position {result['peak_position']}"
     if result.get("program_length") is not None:
         where += f" of {result['program_length']}"
