@@ -581,7 +581,7 @@ def test_quoted_tpu_peak_breakdown_numbers_match_the_committed_results():
     runs = {}
     for name in ("default", "attention_chunk_512", "no_latency_hiding_scheduler",
                  "no_windowed_einsum", "no_windowed_einsum_attention_chunk_512",
-                 "dspark_no_windowed_einsum_attention_chunk_512"):
+                 "dspark_default", "dspark_no_windowed_einsum_attention_chunk_512"):
         (r,) = json.load(open(os.path.join(TPU, "peak", name, "plan.json")))
         assert (r["shapes"]["model"], r["topology"], r["shapes"]["seq"]) == \
             ("qwen3-8b", "v5e:2x4", 4096)
@@ -630,6 +630,10 @@ def test_quoted_tpu_peak_breakdown_numbers_match_the_committed_results():
     assert f"start between positions {first:,} and {last:,}" in flat
     assert f"end between positions {ends[0]:,} and {ends[1]:,}" in flat
     assert last < live["peak_position"] < ends[1]
+    ds = {(x["label"], x["shape"]): x
+          for x in runs["dspark_default"]["notes"]["peak_live"]["groups"]}
+    ds = ds[("AllocateBuffer", "bf16[1,4096,12288]")]
+    assert f"same at its peak ({ds['count']} such buffers, {ds['bytes'] / 2**30:.2f} GiB;" in flat
     # the options' effect
     for name in ("no_latency_hiding_scheduler", "no_windowed_einsum"):
         labels = [x["label"] for x in runs[name]["notes"]["peak_live"]["groups"]]
@@ -651,8 +655,9 @@ def test_quoted_tpu_peak_breakdown_numbers_match_the_committed_results():
     # "What it costs in time the compiler cannot say": the FLOPs against the model FLOPs
     ratio = lambda r: r["flops"] / r["model_flops"]  # noqa: E731
     assert f"the compiled FLOPs are {ratio(at4096['mtp']):.2f}x (MTP) and " \
-           f"{ratio(at4096['dspark']):.2f}x (DSpark) of the model FLOPs at 4096 tokens; with them " \
-           f"off, {ratio(m):.2f}x and {ratio(d):.2f}x" in flat
+           f"{ratio(at4096['dspark']):.2f}x (DSpark) of the model FLOPs at 4096 tokens; " \
+           f"with them off, {ratio(m):.2f}x and {ratio(d):.2f}x" in flat
+    assert ratio(runs["dspark_default"]) == ratio(at4096["dspark"])  # the table's compilation
     assert ratio(at4096["mtp"]) < 1 < ratio(m) and ratio(at4096["dspark"]) < 1 < ratio(d)
     assert f"(the table shows {m['roofline_seconds']:.3g} against " \
            f"{at4096['mtp']['roofline_seconds']:.3g} s for MTP;" in flat
