@@ -110,7 +110,8 @@ def markdown(rows: list[dict]) -> str:
 
 
 def _show(report) -> None:
-    """Prints a program's pre-flight notes: the FSDP tile warning and the memory breakdown."""
+    """Prints a program's pre-flight notes: the FSDP tile warning and the memory breakdown (or,
+    for a program that does not fit, how to get one)."""
     from specjax.aot import format_breakdown
     if report.notes.get("warning"):
         print(f"    note: {report.notes['warning']}", flush=True)
@@ -118,6 +119,8 @@ def _show(report) -> None:
         live = report.notes["peak_live"]
         print(format_breakdown(live) if live else
               "    alive at the peak: no live-range peak in the compiler's dump", flush=True)
+    elif not report.fits:
+        print("    note: --explain_memory lists what is alive at the memory peak", flush=True)
 
 
 def _train_reports(config, topology: str, fit: bool, tries: int, compile_kw: dict) -> list:
