@@ -3,8 +3,8 @@
 :mod:`~specjax.aot.env` finds libtpu (kept off the Python import path), :mod:`~specjax.aot.chips`
 holds the per-chip figures, :mod:`~specjax.aot.compile` compiles one program and reports its per-chip
 memory, cost and roofline time (:mod:`~specjax.aot.peak`: what is alive at its memory peak), and
-:mod:`~specjax.aot.programs` builds specjax's programs (train
-steps, engine steps, the Pallas rejection sampler) from abstract sharded inputs.
+:mod:`~specjax.aot.programs` builds specjax's programs (train steps, engine steps, the Pallas
+rejection sampler) from abstract sharded inputs.
 """
 from specjax.aot.chips import CHIPS, ChipSpec, chip_of, num_chips, topology_name
 from specjax.aot.compile import (HBM_BUDGET, ProgramReport, compile_report, count_copies,

@@ -69,7 +69,8 @@ def default_config(task: str = "lm") -> ml_collections.ConfigDict:
     # XLA / libtpu options for the jitted train and eval steps when they are compiled for TPU
     # (on a TPU VM, and by the experiments.tpu_plan pre-flight; ignored on CPU / GPU), as
     # "name=value,name=value" (specjax.compiler_options), e.g.
-    # "xla_tpu_enable_windowed_einsum_for_all_gather=false" (docs/TPU.md, "What fills a chip").
+    # "xla_tpu_enable_windowed_einsum_for_all_gather=false" (docs/TPU.md, "What fills a v5e-8
+    # chip").
     c.train.tpu_compiler_options = ""
 
     c.optimizer = ml_collections.ConfigDict()
