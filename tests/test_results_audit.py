@@ -575,7 +575,7 @@ def test_quoted_rl_t06_five_seed_numbers_match_the_committed_results():
 
 
 def test_quoted_tpu_peak_breakdown_numbers_match_the_committed_results():
-    """docs/TPU.md's "What fills a v5e-8 chip" section: its table (built here from the six
+    """docs/TPU.md's "What fills a v5e-8 chip" section: its table (built here from the seven
     ``tpu_plan --explain_memory`` runs) and the numbers its paragraphs quote."""
     flat = " ".join(_tpu_doc().split())
     runs = {}
@@ -606,6 +606,10 @@ def test_quoted_tpu_peak_breakdown_numbers_match_the_committed_results():
             kind = "LM-head matmul" + (" all-gather" if g["label"].startswith("all-gather") else "")
         return f"{g['count']} x {kind} `{g['shape']}`, {g['bytes'] / 2**30:.2f} GiB"
 
+    def groups(name):
+        """A run's peak groups by ``(label, shape)``."""
+        return {(x["label"], x["shape"]): x for x in runs[name]["notes"]["peak_live"]["groups"]}
+
     for name, r in runs.items():
         cells = (f"{r['used_bytes'] / 2**30:.1f} / 16.0 | "
                  f"{'**yes**' if r['fits'] else 'no'} | {r['flops'] / 1e12:.0f} | "
@@ -614,7 +618,7 @@ def test_quoted_tpu_peak_breakdown_numbers_match_the_committed_results():
         assert f"(`{name}`) | {cells}" in flat, (name, cells)
     # the pod config's peak: what the paragraph under the command quotes
     live = runs["default"]["notes"]["peak_live"]
-    g = {(x["label"], x["shape"]): x for x in live["groups"]}
+    g = groups("default")
     mlp = g[("AllocateBuffer", "bf16[1,4096,12288]")]
     q = g[("AllocateBuffer", "bf16[1,4096,32,128]")]
     kv = g[("AllocateBuffer", "bf16[1,4096,8,128]")]
@@ -630,21 +634,17 @@ def test_quoted_tpu_peak_breakdown_numbers_match_the_committed_results():
     assert f"start between positions {first:,} and {last:,}" in flat
     assert f"end between positions {ends[0]:,} and {ends[1]:,}" in flat
     assert last < live["peak_position"] < ends[1]
-    ds = {(x["label"], x["shape"]): x
-          for x in runs["dspark_default"]["notes"]["peak_live"]["groups"]}
-    ds = ds[("AllocateBuffer", "bf16[1,4096,12288]")]
+    ds = groups("dspark_default")[("AllocateBuffer", "bf16[1,4096,12288]")]
     assert f"same at its peak ({ds['count']} such buffers, {ds['bytes'] / 2**30:.2f} GiB;" in flat
     # the options' effect
     for name in ("no_latency_hiding_scheduler", "no_windowed_einsum"):
-        labels = [x["label"] for x in runs[name]["notes"]["peak_live"]["groups"]]
-        assert "AllocateBuffer" not in labels
-    assert "AllocateBuffer" in [x["label"] for x in
-                                runs["attention_chunk_512"]["notes"]["peak_live"]["groups"]]
+        assert "AllocateBuffer" not in [label for label, _ in groups(name)]
+    assert "AllocateBuffer" in [label for label, _ in groups("attention_chunk_512")]
     table = json.load(open(os.path.join(TPU, "table.json")))
-    at2048 = {r["shapes"]["drafter"]: r for r in table if (r["shapes"]["model"], r["topology"],
-              r["shapes"]["seq"]) == ("qwen3-8b", "v5e:2x4", 2048)}
-    at4096 = {r["shapes"]["drafter"]: r for r in table if (r["shapes"]["model"], r["topology"],
-              r["shapes"]["seq"]) == ("qwen3-8b", "v5e:2x4", 4096)}
+    v5e8 = {(r["shapes"]["seq"], r["shapes"]["drafter"]): r for r in table
+            if (r["shapes"]["model"], r["topology"]) == ("qwen3-8b", "v5e:2x4")}
+    at2048 = {d: v5e8[(2048, d)] for d in ("mtp", "dspark")}
+    at4096 = {d: v5e8[(4096, d)] for d in ("mtp", "dspark")}
     m, d = runs["no_windowed_einsum_attention_chunk_512"], \
         runs["dspark_no_windowed_einsum_attention_chunk_512"]
     pct = lambda r: round(100 * r["hbm_fraction"])  # noqa: E731

@@ -207,16 +207,18 @@ def compile_report(name: str, lower: Callable[[], Any], mesh: Mesh, topology: st
         msg = str(e)
         oom = parse_oom(msg)
         if "RESOURCE_EXHAUSTED" not in msg or oom is None:
-            if dump is not None:
-                dump.cleanup()
             raise
         report.compile_seconds = time.perf_counter() - start
         report.peak_bytes = oom[0]
         report.error = msg.strip().splitlines()[0][:400]
         _explain(report, dump)
         return report
-    report.compile_seconds = time.perf_counter() - start
-    _explain(report, dump)
+    else:
+        report.compile_seconds = time.perf_counter() - start
+        _explain(report, dump)
+    finally:
+        if dump is not None:
+            dump.cleanup()
     report.compiled = True
     if copy_watch is not None:
         report.notes["whole_copies"] = count_copies(compiled.as_text(), copy_watch)
@@ -256,13 +258,9 @@ def compile_report(name: str, lower: Callable[[], Any], mesh: Mesh, topology: st
 
 
 def _explain(report: ProgramReport, dump) -> None:
-    """``notes["peak_live"]`` from a compilation's dump directory (then removed)."""
-    if dump is None:
-        return
-    try:
+    """``notes["peak_live"]`` from a compilation's dump directory (``None``: no dump asked)."""
+    if dump is not None:
         report.notes["peak_live"] = peak_lib.peak_breakdown(dump.name)
-    finally:
-        dump.cleanup()
 
 
 def count_copies(hlo_text: str, elements: int) -> int:

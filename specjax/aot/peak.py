@@ -148,8 +148,9 @@ def breakdown(live_range_text: str, hlo_text: str, *, top: int = 12) -> Optional
         entry = groups.setdefault(key, [0, 0, []])
         entry[0] += 1
         entry[1] += size
-        if f"{name}{{{index}}}" in ranges:
-            entry[2].append(ranges[f"{name}{{{index}}}"])
+        live_range = ranges.get(f"{name}{{{index}}}")
+        if live_range is not None:
+            entry[2].append(live_range)
     rows = sorted(({"label": k[0], "shape": k[1], "count": c, "bytes": b, **_span(r)}
                    for k, (c, b, r) in groups.items()),
                   key=lambda r: (-r["bytes"], r["label"], r["shape"]))
