@@ -45,10 +45,10 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from absl import app, flags
-from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file[:arg].",
-                                          lock_config=True)
+from experiments.config_flag import define_config_flag
+
+_CONFIG = define_config_flag("Training config file[:arg].")
 _TOPOLOGY = flags.DEFINE_string("topology", "v5p-64", "Topology (v5p:4x4x4) or slice (v5e-8).")
 # --programs: "engine" compiles every engine device step, one of ENGINE_STEPS that kind only
 ENGINE_STEPS = ("engine.draft", "engine.verify", "engine.prefill", "engine.loop")

@@ -16,11 +16,10 @@ from __future__ import annotations
 import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Path to a config file with get_config(arg), optionally ':arg'.",
-    lock_config=True)
+from experiments.config_flag import define_config_flag
+
+_CONFIG = define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics.jsonl, loss_curve.png.")
 
 

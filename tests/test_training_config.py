@@ -65,11 +65,16 @@ def test_defaults_are_locked_and_typed():
     assert full.train.num_steps == default_config().train.num_steps
 
 
-def test_command_line_rejects_misspelt_override_and_bad_mesh(tmp_path):
+def test_command_line_rejects_misspelt_overrides_and_bad_mesh(tmp_path):
     # (mistyped values are rejected by the locked schema: test_defaults_are_locked_and_typed)
     cfg = "experiments/configs/pretrain_target.py:tiny"
     typo = train_cli("--config", cfg, "--config.train.num_stpes=3", "--workdir", str(tmp_path))
     assert typo.returncode != 0 and "num_stpes" in typo.stderr
+    # model.overrides takes new keys from the command line; validate_config checks each by name
+    field = train_cli("--config", cfg, "--config.model.overrides.hiden_size=32",
+                      "--workdir", str(tmp_path))
+    assert field.returncode == 2, field.stderr[-2000:]
+    assert "did you mean 'hidden_size'" in field.stderr
     mesh = train_cli("--config", cfg, "--config.mesh.fsdp=3", "--config.data.kind=synthetic",
                      "--workdir", str(tmp_path))
     assert mesh.returncode == 2 and "config.mesh" in mesh.stderr, mesh.stderr[-2000:]

@@ -18,11 +18,12 @@ from specjax.training.optimizer import make_schedule
 
 def _tiny_run(tmp):
     """``experiments.train`` on pretrain_target.py:tiny (30-document corpus subset, 4 steps),
-    twice in the same workdir."""
+    twice in the same workdir, with one layer instead of the preset's two: a model override
+    given on the command line (a key the config file does not set)."""
     workdir, data_dir = str(tmp / "run"), str(tmp / "data")
     args = ["--config", "experiments/configs/pretrain_target.py:tiny",
             f"--config.data.data_dir={data_dir}", "--config.checkpoint.keep=1",
-            "--workdir", workdir]
+            "--config.model.overrides.num_layers=1", "--workdir", workdir]
     first = train_cli(*args)
     assert first.returncode == 0, first.stderr[-4000:]
     lines_after_first = len(read_metrics(os.path.join(workdir, "metrics.jsonl")))
@@ -42,6 +43,7 @@ def test_cli_trains_logs_evaluates_checkpoints_and_reopens(tmp_path):
 
     config = validate_config(json.load(open(os.path.join(workdir, "config.json"))))
     assert config.model.preset == "tiny" and config.data.kind == "embedded"
+    assert dict(config.model.overrides) == {"vocab_size": 2048, "num_layers": 1}
     records = read_metrics(os.path.join(workdir, "metrics.jsonl"))
     assert len(records) == n_lines, "re-opening a finished run appends nothing"
     train = [r for r in records if r["split"] == "train"]
@@ -101,6 +103,7 @@ def _check_params_only_restore(workdir):
     abstract = abstract_with_shardings(trainer.abstract_state.params,
                                        trainer.state_shardings.params)
     params = restore_params(os.path.join(workdir, "checkpoints"), abstract)
+    assert len(params["layers"]) == 1  # the command line's num_layers=1 built the model
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(full.params)):
         assert a.sharding == b.sharding
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
