@@ -34,7 +34,7 @@ TARGET_SOURCES = DATA_SOURCES + (
     "training/errors.py", "training/inputs.py", "training/lm_task.py", "training/memory.py",
     "training/optimizer.py",
     "training/registry.py", "training/run.py", "training/sharding.py", "training/tasks.py",
-    "training/trainer.py",
+    "training/train_loop.py", "training/trainer.py",
 )
 
 #: A trained drafter (the quickstart's MTP head): its target's code (above), the drafters, the

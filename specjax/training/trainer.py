@@ -1,4 +1,5 @@
-"""The training loop: sharded init, a jitted donating train step, eval, checkpoints, metrics.
+"""The trainer: sharded init, a jitted donating train step, eval, checkpoints (the host loop that
+drives them, with logging, is ``train_loop.py``).
 
 Usage::
 
@@ -25,8 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
-import time
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,16 +38,14 @@ from specjax.compiler_options import parse_compiler_options
 from specjax.models.attention import query_chunks
 from specjax.training import checkpoint as ckpt_lib
 from specjax.training import inputs as inputs_lib
-from specjax.training import metrics as metrics_lib
 from specjax.training import sharding as sharding_lib
 from specjax.training.config import ConfigError, validate_config
 from specjax.training.optimizer import current_learning_rate, make_optimizer
 from specjax.training.registry import make_task
 from specjax.training.tasks import LOSS_WEIGHT, TrainTask
+from specjax.training.train_loop import StepHook, train_loop
 
 PyTree = Any
-# Called after every step (after any checkpoint save was started): hook(trainer, step, state).
-StepHook = Callable[["Trainer", int, "TrainState"], None]
 
 
 class TrainState(NamedTuple):
@@ -343,99 +341,11 @@ class Trainer:
             resume tests.
           hooks: called after every step.
         Returns:
-          The final :class:`TrainState`.
+          The final :class:`TrainState`. The host loop itself is
+          :func:`specjax.training.train_loop.train_loop`.
         """
-        from tqdm.auto import tqdm
-
-        cfg = self.config
-        num_steps = cfg.train.num_steps
-        state = self.restore_or_init(train_iter)
-        start = int(jax.device_get(state.step))
-        writer = metrics_lib.MetricsWriter(
-            os.path.join(self.workdir, "metrics.jsonl") if self.workdir else "",
-            enabled=bool(self.workdir) and self.is_main,
-            resume_step=start if start > 0 else None)
-        bar = tqdm(total=num_steps, initial=start, desc="train", dynamic_ncols=True,
-                   disable=not (cfg.output.progress_bar and self.is_main))
-        tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-        pending: list[dict] = []
-        last_time, last_step = time.perf_counter(), start
-        step = saved = start
-        loop_start = time.perf_counter()
-        try:
-            while step < num_steps:
-                state, metrics = self.step(state, next(train_iter))
-                step += 1
-                pending.append(metrics)
-                if step == start + 1:  # first step includes compilation: time it apart
-                    jax.block_until_ready(metrics)
-                    self.first_step_seconds = time.perf_counter() - last_time
-                    last_time, last_step = time.perf_counter(), step
-                if step % cfg.train.log_every == 0 or step == num_steps:
-                    rates = None
-                    if step > last_step:
-                        jax.block_until_ready(pending[-1])
-                        now = time.perf_counter()
-                        sps = (step - last_step) / (now - last_time)
-                        rates = {"steps_per_sec": sps, "tokens_per_sec": sps * tokens_per_step}
-                        last_time, last_step = now, step
-                    summary = self._summarise(pending)
-                    pending = []
-                    writer.write(step, "train", {**summary, **(rates or {})})
-                    bar.set_postfix(loss=f"{summary['loss']:.3f}", lr=f"{summary['lr']:.2e}")
-                bar.update(1)
-                if eval_batches and cfg.train.eval_every and step % cfg.train.eval_every == 0 \
-                        and step != num_steps:
-                    self._run_eval(state, eval_batches, step, writer)
-                if self._should_save(step):
-                    self.checkpointer.save(step, state, train_iter.get_state())
-                    saved = step
-                for hook in hooks:
-                    hook(self, step, state)
-                if stop_after is not None and step >= stop_after:
-                    return state
-            jax.block_until_ready(state.step)
-            self.train_seconds = time.perf_counter() - loop_start
-            if eval_batches:  # (a finished run that is re-opened re-evaluates, logs nothing new)
-                eval_start = time.perf_counter()
-                self._run_eval(state, eval_batches, step, writer if step > start else None)
-                self.eval_seconds = time.perf_counter() - eval_start
-            if self.checkpointer is not None and saved != step and step > start:
-                self.checkpointer.save(step, state, train_iter.get_state())
-        finally:
-            bar.close()
-            if self.checkpointer is not None:
-                self.checkpointer.wait()
-        if self.workdir and self.is_main and cfg.output.plot:
-            metrics_lib.plot_loss_curve(writer.path, os.path.join(self.workdir, "loss_curve.png"))
-        return state
+        return train_loop(self, train_iter, eval_batches, stop_after=stop_after, hooks=hooks)
 
     def close(self) -> None:
         if self.checkpointer is not None:
             self.checkpointer.close()
-
-    # -- helpers --------------------------------------------------------------------------------
-    def _should_save(self, step: int) -> bool:
-        every = self.config.checkpoint.every
-        return self.checkpointer is not None and every > 0 and step % every == 0
-
-    def _run_eval(self, state, eval_batches, step, writer) -> None:
-        self.last_eval = self.evaluate(state.params, eval_batches)
-        for domain, values in self.last_eval.items():
-            if writer is not None:
-                writer.write(step, f"eval/{domain}", values)
-
-    @staticmethod
-    def _summarise(pending: list[dict]) -> dict[str, float]:
-        """Mean of each metric over the logged steps (``loss_weight`` summed as ``tokens``)."""
-        fetched = jax.device_get(pending)
-        out = {}
-        for key in fetched[0]:
-            vals = np.array([m[key] for m in fetched], np.float64)
-            if key == LOSS_WEIGHT:
-                out["tokens"] = float(vals.sum())
-            elif key == "lr":
-                out[key] = float(vals[-1])
-            else:
-                out[key] = float(vals.mean())
-        return out
