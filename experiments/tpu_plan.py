@@ -109,18 +109,43 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _show(report) -> None:
-    """Prints a program's pre-flight notes: the FSDP tile warning and the memory breakdown (or,
-    for a program that does not fit, how to get one)."""
+def _show(report, header: bool = False) -> None:
+    """Prints a program's pre-flight notes: the FSDP tile warning, what its loops add to the
+    compiler's FLOPs, and the memory breakdown (or, for a program that does not fit, how to get
+    one); after a line with its name and fit when ``header``."""
     from specjax.aot import format_breakdown
+    if header:
+        print(f"  {report.name}: {'fits' if report.fits else 'does NOT fit'} "
+              f"({report.used_bytes / 2**30:.1f} of {report.hbm_bytes / 2**30:.1f} GiB) "
+              f"[{report.compile_seconds:.0f}s]", flush=True)
     if report.notes.get("warning"):
         print(f"    note: {report.notes['warning']}", flush=True)
+    line = _loops_line(report)
+    if line:
+        print(line, flush=True)
     if "peak_live" in report.notes:
         live = report.notes["peak_live"]
         print(format_breakdown(live) if live else
               "    alive at the peak: no live-range peak in the compiler's dump", flush=True)
     elif not report.fits:
         print("    note: --explain_memory lists what is alive at the memory peak", flush=True)
+
+
+def _loops_line(report) -> str:
+    """What the loops add to the compiler's FLOPs (it counts each loop body once), or ``""`` for
+    a program without matmuls in loops."""
+    loops = report.notes.get("loops") or {}
+    if "costliest" not in loops or not (loops["costliest"] or loops["unknown_trip_loops"]):
+        return ""  # no loop with matmuls in it, none of unknown length
+    ratio = ""
+    if report.model_flops:
+        ratio = (f" = {report.loop_flops / report.model_flops:.2f}x model FLOPs (cost "
+                 f"analysis: {report.flops / report.model_flops:.2f}x)")
+    top = ", ".join(f"{c['name']} x {c['trips']}" for c in loops["costliest"][:3])
+    unknown = (f"; {loops['unknown_trip_loops']} with a trip count the HLO does not show, "
+               f"counted once" if loops["unknown_trip_loops"] else "")
+    return (f"    loops: {report.loop_flops / 1e12:.3g} TFLOP per chip with every trip{ratio}; "
+            f"matmuls in loops: {top or 'none'}{unknown}")
 
 
 def _train_reports(config, topology: str, fit: bool, tries: int, compile_kw: dict) -> list:
@@ -177,7 +202,7 @@ def plan(config, topology: str, programs, *, fit=False, tries=2, slots=64, max_l
                 continue
             p.shapes["model"] = config.model.preset
             reports.append(aot.compile_program(p, mesh, topology, **compile_kw))
-            _show(reports[-1])
+            _show(reports[-1], header=True)
     if "rejection" in programs:
         n = len(aot.topology_devices(topology))
         mesh = aot.topology_mesh(topology, {"data": -1})
@@ -188,7 +213,7 @@ def plan(config, topology: str, programs, *, fit=False, tries=2, slots=64, max_l
             p = aot.rejection_kernel(mesh, batch=n * max(1, slots // n), gamma=gamma,
                                      vocab=target.vocab_size, backend=backend)
             reports.append(aot.compile_program(p, mesh, topology, **compile_kw))
-            _show(reports[-1])
+            _show(reports[-1], header=True)
     return [r.to_dict() for r in reports]
 
 

@@ -218,6 +218,32 @@ def test_windowed_einsum_loops_are_counted_once_by_the_cost_analysis():
         compiler_options={"xla_tpu_enable_windowed_einsum_for_all_gather": False})
     assert plain.flops == pytest.approx(matmul, rel=1e-3)
     assert windowed.flops < 0.75 * matmul
+    # Counted from the HLO with the loop's trips (specjax.aot.hlo_loops), both programs do the
+    # matmul's FLOPs exactly (integers far below 2**53: exact in a float).
+    for report in (windowed, plain):
+        assert report.notes["loops"]["matmul_flops"] == matmul
+        assert report.notes["loops"]["matmul_flops_once"] <= report.flops
+    assert windowed.notes["loops"]["counted_loops"] >= 1
+    assert windowed.loop_flops >= matmul > windowed.flops
+
+
+def test_loop_aware_flops_do_not_depend_on_gradient_accumulation():
+    """The same step with the batch in 1 or 4 microbatches does the same matmuls: the
+    accumulation loop's trips are read from the HLO (the compiler's own count is of one
+    microbatch), and the loop-aware count of both compiles is the same number."""
+    counts = {}
+    for accum in (1, 4):
+        c = _train_config(batch_size=16)
+        c.train.grad_accum_steps = accum
+        mesh = aot.topology_mesh(TOPOLOGY, c.mesh.to_dict())
+        report = _compile(aot.train_step(c, mesh), mesh)
+        loops = report.notes["loops"]
+        assert loops["matmul_flops_once"] <= report.notes.get("compiler_flops_once", report.flops)
+        counts[accum] = loops["matmul_flops"]
+        if accum > 1:
+            assert any(row["trips"] == accum for row in loops["costliest"]), loops
+            assert report.notes["compiler_flops_once"] < 0.5 * counts[1]
+    assert counts[4] == counts[1]
 
 
 def test_config_tpu_compiler_options_reach_the_compiled_train_step():

@@ -674,3 +674,44 @@ def test_quoted_tpu_peak_breakdown_numbers_match_the_committed_results():
            in flat
     seconds = [r["compile_seconds"] for r in runs.values()]
     assert f"{min(seconds):.0f} to {max(seconds):.0f} s of compilation each" in flat
+
+
+def test_quoted_tpu_loop_aware_flops_match_the_committed_results():
+    """docs/TPU.md's "Loop-aware FLOPs": the two v5e-8 Qwen3-8B + MTP compiles it quotes."""
+    flat = " ".join(_tpu_doc().split())
+    runs = {}
+    for name in ("mtp_default", "mtp_no_windowed_einsum"):
+        (r,) = json.load(open(os.path.join(TPU, "loops", name, "plan.json")))
+        assert (r["shapes"]["model"], r["topology"], r["shapes"]["seq"], r["shapes"]["drafter"],
+                r["shapes"]["attention_chunk"]) == ("qwen3-8b", "v5e:2x4", 4096, "mtp", 0)
+        assert r["notes"].get("compiler_options", {}) == (
+            {"xla_tpu_enable_windowed_einsum_for_all_gather": False} if "windowed" in name else {})
+        assert r["notes"]["loops"]["unknown_trip_loops"] == 0
+        # the accumulation loop is among the counted ones, with its microbatch count
+        accum = r["shapes"]["grad_accum"]
+        assert accum == 32 and any(c["trips"] == accum for c in r["notes"]["loops"]["costliest"])
+        runs[name] = r
+    on, off = runs["mtp_default"], runs["mtp_no_windowed_einsum"]
+
+    def flops(r):
+        return (f"{r['loop_flops'] / 1e12:,.0f}", f"{r['loop_flops'] / r['model_flops']:.2f}x",
+                f"{r['flops'] / 1e12:,.0f}", f"{r['flops'] / r['model_flops']:.2f}x")
+    a, b = flops(on), flops(off)
+    assert (f"it reads {a[0]} TFLOP per chip with windowed einsums ({a[1]} the model FLOPs; cost "
+            f"analysis {a[2]}, {a[3]}; {on['notes']['loops']['counted_loops']} loops, among them "
+            f"the {on['shapes']['grad_accum']}-microbatch accumulation) and {b[0]} without "
+            f"({b[1]}; cost analysis {b[2]}, {b[3]})") in flat
+    gap = on["notes"]["loops"]["matmul_flops"] / off["notes"]["loops"]["matmul_flops"] - 1
+    assert 0 < gap < 0.005 and "the same work, within 0.5 %" in flat
+    assert f"counts {off['flops'] / on['flops']:.1f}x apart" in flat
+    assert (f"{on['loop_flops'] / on['model_flops'] - 1:.0%} above the model FLOPs".replace("%", " %")
+            in flat)
+    assert (f"{on['compile_seconds']:.0f} and {off['compile_seconds']:.0f} s of compilation"
+            in flat)
+    from specjax.aot.chips import chip_of
+    peak = chip_of(on["topology"]).peak_bf16_flops
+    for r in (on, off):
+        assert r["bound"] == "memory" and r["loop_flops"] / peak < r["roofline_seconds"]
+    assert (f"({on['roofline_seconds']:.1f} and {off['roofline_seconds']:.1f} s of bytes against "
+            f"{on['loop_flops'] / peak:.1f} and {off['loop_flops'] / peak:.1f} s of compute)"
+            in flat)

@@ -21,10 +21,13 @@ each TensorCore of a chip as a device):
   message are reported and ``compiled`` is False.
 * cost: ``compiled.cost_analysis()`` FLOPs and bytes accessed (HBM traffic as the compiler models
   it; a Pallas kernel counts as the bytes of its operands and results). XLA counts the body of a
-  loop once: gradient accumulation's microbatch loop is scaled by ``loop_multiplier``, and the
-  compute time uses ``max(compiler FLOPs, model FLOPs)`` so that inner loops (chunked losses, and
-  the windowed einsums XLA may compile FSDP matmuls to) do not make a step look cheaper than its
-  model FLOPs. Their bytes are counted once too: the roofline stays a lower bound, a looser one.
+  loop once: gradient accumulation's microbatch loop is scaled by ``loop_multiplier``. Inner
+  loops (chunked losses, and the windowed einsums XLA may compile FSDP matmuls to) are counted
+  from the HLO instead: ``loop_flops`` is the compiler's FLOPs plus the matmul FLOPs of every
+  further trip of every loop whose trip count the HLO shows (:mod:`specjax.aot.hlo_loops`;
+  ``notes["loops"]`` lists the costliest). The compute time uses ``max(compiler FLOPs,
+  loop_flops, model FLOPs)``, so that loops do not make a step look cheaper than it is. The
+  loops' bytes are counted once: the memory side of the roofline stays a looser lower bound.
 * roofline: ``max(flops / peak_flops, bytes / hbm_bandwidth)`` with the chip figures of
   :mod:`specjax.aot.chips`: a lower bound on the step time (collectives and imperfect overlap are
   not in it). ``mfu``: the caller's model FLOPs (e.g. ``6 N`` per trained token) over
@@ -45,6 +48,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from specjax.aot import chips as chips_lib
+from specjax.aot import hlo_loops
 from specjax.aot import peak as peak_lib
 from specjax.aot.env import ensure_libtpu
 from specjax.training import sharding as sharding_lib
@@ -104,6 +108,10 @@ class ProgramReport:
     bound: str = ""
     model_flops: Optional[float] = None
     mfu: Optional[float] = None
+    # The compiler's FLOPs (one microbatch's, not scaled by loop_multiplier) plus the matmul
+    # FLOPs of every further trip of every loop whose trip count the HLO shows
+    # (specjax.aot.hlo_loops); None where the HLO could not be read.
+    loop_flops: Optional[float] = None
     notes: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -236,6 +244,7 @@ def compile_report(name: str, lower: Callable[[], Any], mesh: Mesh, topology: st
     # every v5e and v6e step), which must not pass for a time.
     if float(cost.get("optimal_seconds", -1.0)) >= 0:
         report.compiler_seconds = float(cost["optimal_seconds"])
+    _count_loops(report, compiled)
     if loop_multiplier > 1:
         # XLA's cost analysis counts a while loop's body once, whatever its trip count; scale the
         # step by its microbatch count (this also repeats the once-per-step optimizer update, so
@@ -246,15 +255,32 @@ def compile_report(name: str, lower: Callable[[], Any], mesh: Mesh, topology: st
         report.bytes_accessed *= loop_multiplier
     peak = chip.peak_bf16_flops / per_chip
     bandwidth = chip.hbm_bandwidth / per_chip
-    # Inner loops (chunked losses) are also counted once: the model FLOPs, a lower bound of the
-    # work actually done, bound the compute time from below.
-    flops = max(report.flops, report.model_flops or 0.0)
+    # Loops are counted once by the compiler. The loop-aware matmul count and the model FLOPs
+    # (a lower bound of the work actually done) bound the compute time from below too.
+    flops = max(report.flops, report.loop_flops or 0.0, report.model_flops or 0.0)
     t_flops, t_bytes = flops / peak, report.bytes_accessed / bandwidth
     report.roofline_seconds = max(t_flops, t_bytes)
     report.bound = "compute" if t_flops >= t_bytes else "memory"
     if report.model_flops is not None and report.roofline_seconds > 0:
         report.mfu = report.model_flops / (report.roofline_seconds * peak)
     return report
+
+
+def _count_loops(report: ProgramReport, compiled) -> None:
+    """``report.loop_flops`` and ``notes["loops"]`` from the compiled module's HLO text: the
+    matmul FLOPs with every loop's trips, and the costliest loops with matmuls in them (source,
+    trips, matmul FLOPs of one trip). Called before any ``loop_multiplier`` scaling."""
+    try:
+        counted = hlo_loops.loop_flops(compiled.as_text())
+    except (ValueError, KeyError, IndexError, AttributeError) as e:  # an HLO this parser misreads
+        report.notes["loops"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        return
+    report.loop_flops = report.flops + counted.extra
+    report.notes["loops"] = {
+        "matmul_flops": counted.total, "matmul_flops_once": counted.once,
+        "costliest": [{"name": n, "trips": t, "matmul_flops_per_trip": f}
+                      for n, t, f in counted.loops if f > 0][:5],
+        "counted_loops": len(counted.loops), "unknown_trip_loops": len(counted.unknown_loops)}
 
 
 def _explain(report: ProgramReport, dump) -> None:

@@ -74,10 +74,15 @@ def _definitions(hlo_text: str) -> dict[str, tuple[str, str]]:
         target = _TARGET.search(rest)
         opcode = _OPCODE.match(rest)
         op = target.group(1) if target else (opcode.group(1) if opcode else "?")
-        name = _OP_NAME.search(rest)
-        source = _SCOPE.sub("", name.group(1).replace("\\'", "'")) if name else ""
-        out[m.group(1)] = (type_text, f"{op} {source}".strip())
+        out[m.group(1)] = (type_text, f"{op} {op_source(rest)}".strip())
     return out
+
+
+def op_source(attrs: str) -> str:
+    """The JAX operation an HLO instruction came from (its ``metadata={op_name=...}``, without the
+    scopes every op of a jitted step carries), or ``""``."""
+    name = _OP_NAME.search(attrs)
+    return _SCOPE.sub("", name.group(1).replace("\\'", "'")) if name else ""
 
 
 def parse_ranges(live_range_text: str) -> tuple[Optional[int], dict[str, tuple[int, int]]]:
