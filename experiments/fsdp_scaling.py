@@ -47,6 +47,15 @@ and 256 for 8B (16 rows each). About nine minutes::
     python -m experiments.fsdp_scaling --study width \
         --out experiments/results/tpu/width/width.json
 
+``--study remat``: what each ``config.train.remat`` policy saves in memory and pays in
+recomputation. The Qwen3-0.6B pretraining step (its 151,936-token vocabulary, loss in chunks of
+256 positions) at 1 and at 4 rows of 2048 tokens per chip on v5e-8, FSDP over the 8 chips,
+under ``none``, ``dots``, ``all_dots`` and ``full``; FLOPs counted with every loop's trips
+(``specjax.aot.hlo_loops``). About a quarter of an hour::
+
+    python -m experiments.fsdp_scaling --study remat \
+        --out experiments/results/tpu/remat/remat.json
+
 Tiny mode (``--quick``: the constrained ``mtp`` row on 4 chips only, under a minute)::
 
     python -m experiments.fsdp_scaling --quick --out /tmp/scaling_quick.json
@@ -276,6 +285,43 @@ def width_study(targets=("qwen3-4b", "qwen3-8b"), topology: str = "v5e:16x16", c
     return rows
 
 
+REMAT_POLICIES = ("none", "dots", "all_dots", "full")
+
+
+def remat_study(model: str = "qwen3-0.6b", topology: str = "v5e:2x4", chips: int = 8,
+                rows_per_chip=(1, 4), seq: int = 2048, logits_chunk: int = 256,
+                policies=REMAT_POLICIES) -> list:
+    """Rows of ``--study remat``: the LM pretraining step of ``model`` (its own vocabulary), for
+    each of ``rows_per_chip`` rows of ``seq`` tokens per chip and each remat policy, FSDP over
+    every chip, the vocabulary loss in chunks of ``logits_chunk`` positions. Each row has the
+    memory, the cost analysis' FLOPs, the loop-aware FLOPs (the chunked loss is a loop) and their
+    ratio to the model FLOPs: what each policy saves in memory and pays in recomputation."""
+    from experiments.configs.pretrain_target import get_config
+    rows = []
+    for per_chip, remat in ((n, p) for n in rows_per_chip for p in policies):
+        c = get_config(None)
+        c.unlock()
+        c.model.preset, c.model.overrides = model, {}
+        c.data.seq_len, c.data.batch_size = seq, chips * per_chip
+        c.train.grad_accum_steps, c.train.remat, c.train.logits_chunk = 1, remat, logits_chunk
+        c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
+        c.lock()
+        r = compile_step(c, topology)
+        row = _row("lm", topology, chips, True, r, model=model, seq=seq, batch=chips * per_chip,
+                   remat=remat, logits_chunk=logits_chunk)
+        row.update(fits=r.fits, compile_seconds=r.compile_seconds)
+        if r.compiled:
+            row.update(flops=r.flops, loop_flops=r.loop_flops, model_flops=r.model_flops,
+                       loop_over_model=r.loop_flops / r.model_flops,
+                       roofline_seconds=r.roofline_seconds, bound=r.bound, mfu=r.mfu)
+            print(f"       loop-aware {r.loop_flops / 1e12:.1f} TFLOP/chip = "
+                  f"{row['loop_over_model']:.2f}x model (cost analysis "
+                  f"{r.flops / r.model_flops:.2f}x), roofline {r.roofline_seconds:.3g} s "
+                  f"({r.bound}), fits: {r.fits}", flush=True)
+        rows.append(row)
+    return rows
+
+
 def batch_study(quick: bool = False, vocab: int = 32768) -> list:
     """Rows of ``--study batch``: per constraint setting (without, then with; ``quick``: with
     only), the ``mtp`` (``vocab``-token vocabulary) and ``lm`` steps on each of TOPOLOGIES, then
@@ -306,20 +352,22 @@ def main(argv=None) -> list:
                     help="the constrained mtp row on the smallest topology only")
     ap.add_argument("--vocab", type=int, default=32768, help="vocabulary of the mtp rows")
     ap.add_argument("--study",
-                    choices=("batch", "chunk", "tiling", "rounding", "accum", "width"),
+                    choices=("batch", "chunk", "tiling", "rounding", "accum", "width",
+                             "remat"),
                     default="batch",
                     help="batch: the batch-constraint fix (4 and 16 chips); chunk: the loss's "
                     "row-chunk fix (8-256 chips); tiling: forced row chunks on 8 chips; "
                     "rounding: the default chunk against one of 8k rows per chip; accum: "
                     "with and without gradient accumulation on 8 chips; width: FSDP over all 256 "
-                    "chips of a v5e-256 and over 32")
+                    "chips of a v5e-256 and over 32; remat: Qwen3-0.6B pretraining under each "
+                    "remat policy on 8 chips")
     args = ap.parse_args(argv)
     if aot.libtpu_path() is None:
         raise SystemExit("fsdp_scaling compiles for TPU and needs libtpu: run `make libtpu`")
     if args.study != "batch" and (args.quick or args.vocab != 32768):
         raise SystemExit(f"--study {args.study} has fixed rows: drop --quick / --vocab")
     studies = {"chunk": chunk_study, "tiling": tiling_study, "rounding": rounding_study,
-               "accum": accum_study, "width": width_study}
+               "accum": accum_study, "width": width_study, "remat": remat_study}
     rows = studies.get(args.study, lambda: batch_study(args.quick, args.vocab))()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

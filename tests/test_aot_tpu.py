@@ -335,6 +335,23 @@ def test_fsdp_keeps_the_batch_split_as_chips_grow(tmp_path):
     assert big.temp_bytes / 2**30 <= 1.25 * small["temp_gib"] + 16 / 1024
 
 
+def test_remat_study_trades_memory_for_recomputed_matmuls():
+    """``experiments.fsdp_scaling --study remat`` on the tiny model: full remat recomputes each
+    block's forward in the backward pass, so its loop-aware matmul FLOPs exceed those without
+    remat (by at most the forward's share, a third of 6N plus the attention's), and it keeps less
+    alive. The loss is chunked (a loop the cost analysis counts once): the loop-aware count is
+    above the cost analysis' in both rows."""
+    from experiments.fsdp_scaling import remat_study
+    rows = remat_study(model="tiny", topology=TOPOLOGY, chips=4, rows_per_chip=(2,), seq=256,
+                       logits_chunk=64, policies=("none", "full"))
+    none, full = rows
+    assert [(r["remat"], r["batch"], r["seq"]) for r in rows] == [("none", 8, 256), ("full", 8, 256)]
+    for r in rows:
+        assert r["compiled"] and r["fits"] and r["loop_flops"] > r["flops"]
+    assert none["loop_flops"] < full["loop_flops"] <= 4 / 3 * none["loop_flops"]
+    assert full["temp_gib"] < none["temp_gib"]
+
+
 def test_tpu_plan_compiles_one_kind_of_engine_step(tmp_path):
     """``python -m experiments.tpu_plan --programs engine.prefill`` compiles the engine's prefill
     step alone (``engine`` would compile the draft, each verification bucket and the device loop

@@ -715,3 +715,53 @@ def test_quoted_tpu_loop_aware_flops_match_the_committed_results():
     assert (f"({on['roofline_seconds']:.1f} and {off['roofline_seconds']:.1f} s of bytes against "
             f"{on['loop_flops'] / peak:.1f} and {off['loop_flops'] / peak:.1f} s of compute)"
             in flat)
+
+
+def test_quoted_tpu_remat_policy_numbers_match_the_committed_results():
+    """docs/TPU.md's "What each remat policy costs": its table, rebuilt from
+    ``experiments/results/tpu/remat/remat.json``, and the figures its bullets quote."""
+    doc = _tpu_doc()
+    flat = " ".join(doc.split())
+    rows = json.load(open(os.path.join(TPU, "remat", "remat.json")))
+    assert {(r["model"], r["topology"], r["chips"], r["seq"], r["logits_chunk"]) for r in rows} \
+        == {("qwen3-0.6b", "v5e:2x4", 8, 2048, 256)}
+    by = {}
+    for r in rows:
+        per = r["batch"] // r["chips"]
+        by[per, r["remat"]] = r
+        if r["compiled"]:
+            assert r["bound"] == "memory"
+            cells = (f"| {per} | `{r['remat']}` | {r['used_gib']:.1f} / 16.0 | "
+                     f"{'yes' if r['fits'] else 'no'} | {r['loop_over_model']:.2f}x | "
+                     f"{r['flops'] / r['model_flops']:.2f}x | {r['bytes_accessed_gb']:.0f} | "
+                     f"{r['roofline_seconds']:.3f} | {100 * r['mfu']:.0f} % |")
+        else:
+            cells = f"| {per} | `{r['remat']}` | {r['used_gib']:.1f} / 16.0 | refused | | | | | |"
+        assert cells in doc, cells
+    assert len(by) == 8 and not by[4, "none"]["compiled"] and not by[4, "all_dots"]["compiled"]
+
+    def x(per, remat):
+        return f"{by[per, remat]['loop_over_model']:.2f}x"
+
+    def gib(per, remat):
+        return f"{by[per, remat]['used_gib']:.1f}"
+    assert (f"`full` keeps the least ({gib(1, 'full')} GiB at one row, {gib(4, 'full')} at four) "
+            f"for the most recomputation: {x(1, 'full')} the model FLOPs against {x(1, 'none')} "
+            f"without remat") in flat
+    assert x(4, "full") == x(1, "full") and x(4, "dots") == x(1, "dots")
+    assert max(by[k]["loop_over_model"] for k in by if by[k]["compiled"]) == \
+        by[1, "full"]["loop_over_model"]
+    assert min(by[k]["used_gib"] for k in by if k[0] == 1) == by[1, "full"]["used_gib"]
+    assert f"included: {x(1, 'dots')}, {gib(1, 'dots')} GiB at one row" in flat
+    assert (f"recomputes almost nothing ({x(1, 'all_dots')}) and saves almost nothing "
+            f"({gib(1, 'all_dots')} against {gib(1, 'none')} GiB)") in flat
+    assert f"Without remat the count is {x(1, 'none')}, not 1.00x" in flat
+    full, dots = by[1, "full"], by[1, "dots"]
+    assert full["roofline_seconds"] < dots["roofline_seconds"]
+    assert full["bytes_accessed_gb"] < dots["bytes_accessed_gb"]
+    assert (f"(`full` {full['roofline_seconds']:.3f} s against `dots` "
+            f"{dots['roofline_seconds']:.3f} s at one row)") in flat
+    cost = {k: by[1, k]["flops"] / by[1, k]["model_flops"] for k in ("all_dots", "none")}
+    assert cost["all_dots"] < cost["none"]
+    assert by[1, "all_dots"]["loop_over_model"] > by[1, "none"]["loop_over_model"]
+    assert (f"(`all_dots` {cost['all_dots']:.2f}x below `none` {cost['none']:.2f}x)") in flat
