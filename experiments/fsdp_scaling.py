@@ -285,12 +285,13 @@ def width_study(targets=("qwen3-4b", "qwen3-8b"), topology: str = "v5e:16x16", c
     return rows
 
 
-REMAT_POLICIES = ("none", "dots", "all_dots", "full")
+# The remat policies in the order of the table (specjax.training.memory.REMAT_POLICIES).
+REMAT_ORDER = ("none", "dots", "all_dots", "full")
 
 
 def remat_study(model: str = "qwen3-0.6b", topology: str = "v5e:2x4", chips: int = 8,
                 rows_per_chip=(1, 4), seq: int = 2048, logits_chunk: int = 256,
-                policies=REMAT_POLICIES) -> list:
+                policies=REMAT_ORDER) -> list:
     """Rows of ``--study remat``: the LM pretraining step of ``model`` (its own vocabulary), for
     each of ``rows_per_chip`` rows of ``seq`` tokens per chip and each remat policy, FSDP over
     every chip, the vocabulary loss in chunks of ``logits_chunk`` positions. Each row has the

@@ -108,9 +108,9 @@ class ProgramReport:
     bound: str = ""
     model_flops: Optional[float] = None
     mfu: Optional[float] = None
-    # The compiler's FLOPs (one microbatch's, not scaled by loop_multiplier) plus the matmul
-    # FLOPs of every further trip of every loop whose trip count the HLO shows
-    # (specjax.aot.hlo_loops); None where the HLO could not be read.
+    # The compiler's own count (before any loop_multiplier scaling) plus the matmul FLOPs of
+    # every further trip of every loop whose trip count the HLO shows, the accumulation loop's
+    # included (specjax.aot.hlo_loops); None where the HLO could not be read.
     loop_flops: Optional[float] = None
     notes: dict = dataclasses.field(default_factory=dict)
 
