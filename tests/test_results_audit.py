@@ -715,6 +715,14 @@ def test_quoted_tpu_loop_aware_flops_match_the_committed_results():
     assert (f"({on['roofline_seconds']:.1f} and {off['roofline_seconds']:.1f} s of bytes against "
             f"{on['loop_flops'] / peak:.1f} and {off['loop_flops'] / peak:.1f} s of compute)"
             in flat)
+    (d,) = json.load(open(os.path.join(TPU, "loops", "dspark_default", "plan.json")))
+    assert (d["shapes"]["model"], d["topology"], d["shapes"]["seq"], d["shapes"]["drafter"],
+            d["shapes"]["grad_accum"]) == ("qwen3-8b", "v5e:2x4", 4096, "dspark", 32)
+    assert "compiler_options" not in d["notes"] and d["notes"]["loops"]["unknown_trip_loops"] == 0
+    assert (f"(`dspark_default`, {d['compile_seconds']:.0f} s) reads "
+            f"{d['loop_flops'] / 1e12:,.0f} TFLOP per chip, "
+            f"{d['loop_flops'] / d['model_flops']:.2f}x its model FLOPs, where the cost analysis "
+            f"counts {d['flops'] / 1e12:,.0f} ({d['flops'] / d['model_flops']:.2f}x)") in flat
 
 
 def test_quoted_tpu_remat_policy_numbers_match_the_committed_results():
