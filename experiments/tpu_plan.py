@@ -144,8 +144,12 @@ def _loops_line(report) -> str:
     top = ", ".join(f"{c['name']} x {c['trips']}" for c in loops["costliest"][:3])
     unknown = (f"; {loops['unknown_trip_loops']} with a trip count the HLO does not show, "
                f"counted once" if loops["unknown_trip_loops"] else "")
+    total = loops["matmul_flops"]
+    sources = ", ".join(f"{s['source'] or '?'} {100 * s['matmul_flops'] / total:.0f}%"
+                        for s in loops.get("by_source", [])[:4]) if total else ""
     return (f"    loops: {report.loop_flops / 1e12:.3g} TFLOP per chip with every trip{ratio}; "
-            f"matmuls in loops: {top or 'none'}{unknown}")
+            f"matmuls in loops: {top or 'none'}{unknown}"
+            + (f"\n    matmul FLOPs by source line: {sources}" if sources else ""))
 
 
 def _train_reports(config, topology: str, fit: bool, tries: int, compile_kw: dict) -> list:

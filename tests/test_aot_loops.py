@@ -193,3 +193,47 @@ ENTRY %main (i: s32[], x: f32[4,8], w: f32[8,16]) -> f32[4,16] {
 def test_unreadable_text_is_an_error():
     with pytest.raises(ValueError, match="ENTRY"):
         hlo_loops.loop_flops("%f (x: f32[]) -> f32[] {\n  ROOT %x = f32[] parameter(0)\n}\n")
+
+
+def test_matmul_flops_are_split_by_the_source_line_that_made_them():
+    # The module's source tables (as `compiled.as_text()` prints them) and two dots: one in the
+    # loop body (5 trips of 1024 FLOPs, frame 2) and one in the entry (1024 FLOPs, frame 1).
+    tables = """HloModule m
+
+FileNames
+1 "/home/someone/checkout/specjax/models/layers.py"
+2 "/opt/venv/lib/python3.11/site-packages/optax/_src/alias.py"
+3 "/somewhere/else/train_script.py"
+
+FunctionNames
+1 "MLP.__call__"
+2 "adamw"
+3 "<module>"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=40 end_line=40 column=1 end_column=9}
+2 {file_name_id=3 function_name_id=3 line=7 end_line=7 column=1 end_column=9}
+3 {file_name_id=2 function_name_id=2 line=3 end_line=3 column=1 end_column=9}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=1}
+3 {file_location_id=3 parent_frame_id=1}
+"""
+    body = _loop().replace('metadata={op_name="jit(step)/while/body/dot_general"}',
+                           'metadata={op_name="jit(step)/while/body/dot_general" '
+                           'stack_frame_id=2}')
+    body = body.replace(
+        "  ROOT %out = f32[4,8]{1,0} get-tuple-element(%loop), index=1",
+        "  %e = f32[4,16]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}, "
+        "metadata={op_name=\"jit(step)/dot_general\" stack_frame_id=1}\n"
+        "  ROOT %out = f32[4,8]{1,0} get-tuple-element(%loop), index=1")
+    counted = hlo_loops.loop_flops(tables + body)
+    assert counted.total == 6 * 1024
+    # paths from the package directory on (no machine directories), else the file's name
+    assert counted.by_source == [("train_script.py:7 (<module>)", 5 * 1024),
+                                 ("specjax/models/layers.py:40 (MLP.__call__)", 1024)]
+    assert hlo_loops._short_path("/opt/venv/lib/python3.11/site-packages/optax/_src/alias.py") \
+        == "optax/_src/alias.py"
+    # without the tables every matmul's source is unknown, and the split still sums up
+    assert hlo_loops.loop_flops(body).by_source == [("", 6 * 1024)]

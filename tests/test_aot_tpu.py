@@ -223,8 +223,27 @@ def test_windowed_einsum_loops_are_counted_once_by_the_cost_analysis():
     for report in (windowed, plain):
         assert report.notes["loops"]["matmul_flops"] == matmul
         assert report.notes["loops"]["matmul_flops_once"] <= report.flops
+        # one source line made this matmul: the einsum above (the split sums to the total)
+        (line,) = report.notes["loops"]["by_source"]
+        assert line["matmul_flops"] == matmul and "test_aot_tpu.py:" in line["source"]
     assert windowed.notes["loops"]["counted_loops"] >= 1
     assert windowed.loop_flops >= matmul > windowed.flops
+
+
+def test_mtp_model_flops_count_the_chain_over_every_position():
+    """The MTP drafter step's model FLOPs (the MFU's numerator) against the matmuls the compiled
+    step runs, counted from its HLO: an MTP chain runs each depth's block over the whole
+    sequence, not at the anchors alone, and the formula counts it so
+    (``programs.drafter_params_per_draft``). Counting the block at the drafted positions only
+    made the formula count 1/1.57 of the matmuls here (8 anchors in 32 positions); what is left
+    is the compiled program's own choices (0.4 % here), well inside 2 %."""
+    from experiments.configs.train_drafter import get_config
+    c = get_config("mtp_e2e_tv,tiny")
+    mesh = aot.topology_mesh(TOPOLOGY, c.mesh.to_dict())
+    report = _compile(aot.train_step(c, mesh), mesh)
+    assert 0 < c.task.anchors_per_row < c.data.seq_len  # the case the old formula got wrong
+    matmuls = report.notes["loops"]["matmul_flops"]
+    assert report.model_flops == pytest.approx(matmuls, rel=0.02)
 
 
 def test_loop_aware_flops_do_not_depend_on_gradient_accumulation():

@@ -652,26 +652,38 @@ def test_quoted_tpu_peak_breakdown_numbers_match_the_committed_results():
            f"and {d['used_bytes'] / 2**30:.1f} GiB for DSpark ({pct(d)} %), " \
            f"against {at2048['mtp']['used_bytes'] / 2**30:.1f} and " \
            f"{at2048['dspark']['used_bytes'] / 2**30:.1f} GiB" in flat
-    # "What it costs in time the compiler cannot say": the FLOPs against the model FLOPs
-    ratio = lambda r: r["flops"] / r["model_flops"]  # noqa: E731
+    # "What it costs in time the compiler cannot say": the FLOPs against the model FLOPs, for
+    # MTP as counted now (these runs were compiled with the earlier MTP term; the loops/ run of
+    # the same config has the current one)
+    (now,) = json.load(open(os.path.join(TPU, "loops", "mtp_default", "plan.json")))
+    assert now["model_flops"] > 1.2 * at4096["mtp"]["model_flops"]
+
+    def ratio(r):
+        mtp = r["shapes"]["drafter"] == "mtp"
+        return r["flops"] / (now["model_flops"] if mtp else r["model_flops"])
     assert f"the compiled FLOPs are {ratio(at4096['mtp']):.2f}x (MTP) and " \
            f"{ratio(at4096['dspark']):.2f}x (DSpark) of the model FLOPs at 4096 tokens; " \
            f"with them off, {ratio(m):.2f}x and {ratio(d):.2f}x" in flat
     assert ratio(runs["dspark_default"]) == ratio(at4096["dspark"])  # the table's compilation
-    assert ratio(at4096["mtp"]) < 1 < ratio(m) and ratio(at4096["dspark"]) < 1 < ratio(d)
+    assert ratio(at4096["mtp"]) < ratio(m) and ratio(at4096["dspark"]) < 1 < ratio(d)
     assert f"(the table shows {m['roofline_seconds']:.3g} against " \
            f"{at4096['mtp']['roofline_seconds']:.3g} s for MTP;" in flat
     # "What the numbers mean": the default step's and the option's ratios, and the table's rows
     off = runs["no_windowed_einsum"]
     assert ratio(runs["default"]) == ratio(at4096["mtp"])  # the same compilation as the table's
+    (now_off,) = json.load(open(os.path.join(TPU, "loops", "mtp_no_windowed_einsum",
+                                              "plan.json")))
+    assert (now["flops"], now_off["flops"]) == (runs["default"]["flops"], off["flops"])
     assert f"below its model FLOPs ({ratio(runs['default']):.2f}x, and {ratio(off):.2f}x with " \
            f"windowed einsums off;" in flat
-    short = [ratio(r) for r in table if ratio(r) < 1]
-    where = sorted({r["topology"] for r in table if ratio(r) < 1})
+    # the table's rows against the model FLOPs they were compiled with
+    compiled = lambda r: r["flops"] / r["model_flops"]  # noqa: E731
+    short = [compiled(r) for r in table if compiled(r) < 1]
+    where = sorted({r["topology"] for r in table if compiled(r) < 1})
     assert where == ["v5e:2x4", "v5p:2x4x4", "v6e:4x4"]
     assert f"all {len(short)} of the drafter-training table's {len(table)} rows where they fall " \
-           f"below ({min(short):.2f} to {max(short):.2f} times, on v5p-64, v6e-16 and v5e-8)" \
-           in flat
+           f"below the model FLOPs they were compiled with ({min(short):.2f} to " \
+           f"{max(short):.2f} times, on v5p-64, v6e-16 and v5e-8;" in flat
     seconds = [r["compile_seconds"] for r in runs.values()]
     assert f"{min(seconds):.0f} to {max(seconds):.0f} s of compilation each" in flat
 
@@ -704,8 +716,31 @@ def test_quoted_tpu_loop_aware_flops_match_the_committed_results():
     gap = on["notes"]["loops"]["matmul_flops"] / off["notes"]["loops"]["matmul_flops"] - 1
     assert 0 < gap < 0.005 and "the same work, within 0.5 %" in flat
     assert f"counts {off['flops'] / on['flops']:.1f}x apart" in flat
-    assert (f"{on['loop_flops'] / on['model_flops'] - 1:.0%} above the model FLOPs".replace("%", " %")
-            in flat)
+    # the split by source line, grouped as the paragraph groups it
+    total = on["notes"]["loops"]["matmul_flops"]
+    share = {}
+    for src in on["notes"]["loops"]["by_source"]:
+        path, line = src["source"].split(" ")[0].rsplit(":", 1)
+        group = {("specjax/models/transformer.py", "100"): "MLP",
+                 ("specjax/models/transformer.py", "101"): "MLP",
+                 ("specjax/models/transformer.py", "102"): "MLP",
+                 ("specjax/models/transformer.py", "76"): "q and o",
+                 ("specjax/models/transformer.py", "85"): "q and o",
+                 ("specjax/models/transformer.py", "130"): "LM head"}.get(
+            (path, line), "attention" if path == "specjax/models/attention.py" else path)
+        share[group] = share.get(group, 0.0) + src["matmul_flops"] / total
+    pct = {k: f"{100 * v:.0f} %" for k, v in share.items()}
+    assert (f"the MLP's three matmuls (`specjax/models/transformer.py`) make {pct['MLP']} of it, "
+            f"attention's scores and values (`specjax/models/attention.py`) {pct['attention']}, "
+            f"the q and o projections {pct['q and o']}, the LM head {pct['LM head']}") in flat
+    # the MTP term before: the earlier runs of the same config (peak/default) used it
+    (before,) = json.load(open(os.path.join(TPU, "peak", "default", "plan.json")))
+    assert before["flops"] == on["flops"]  # the same compilation
+    factor = on["model_flops"] / before["model_flops"]
+    assert (f"the model FLOPs were 1/{factor:.2f} of what they are now, and "
+            f"{on['loop_flops'] / before['model_flops']:.2f}x below this count") in flat
+    assert f"the model FLOPs are {factor:.2f}x what those runs used" in flat
+    assert abs(on["loop_flops"] / on["model_flops"] - 1) < 0.01
     assert (f"{on['compile_seconds']:.0f} and {off['compile_seconds']:.0f} s of compilation"
             in flat)
     from specjax.aot.chips import chip_of

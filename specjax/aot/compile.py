@@ -268,8 +268,9 @@ def compile_report(name: str, lower: Callable[[], Any], mesh: Mesh, topology: st
 
 def _count_loops(report: ProgramReport, compiled) -> None:
     """``report.loop_flops`` and ``notes["loops"]`` from the compiled module's HLO text: the
-    matmul FLOPs with every loop's trips, and the costliest loops with matmuls in them (source,
-    trips, matmul FLOPs of one trip). Called before any ``loop_multiplier`` scaling."""
+    matmul FLOPs with every loop's trips, the costliest loops with matmuls in them (source,
+    trips, matmul FLOPs of one trip) and the eight source lines with the most matmul FLOPs.
+    Called before any ``loop_multiplier`` scaling."""
     try:
         counted = hlo_loops.loop_flops(compiled.as_text())
     except (ValueError, KeyError, IndexError, AttributeError) as e:  # an HLO this parser misreads
@@ -280,7 +281,8 @@ def _count_loops(report: ProgramReport, compiled) -> None:
         "matmul_flops": counted.total, "matmul_flops_once": counted.once,
         "costliest": [{"name": n, "trips": t, "matmul_flops_per_trip": f}
                       for n, t, f in counted.loops if f > 0][:5],
-        "counted_loops": len(counted.loops), "unknown_trip_loops": len(counted.unknown_loops)}
+        "counted_loops": len(counted.loops), "unknown_trip_loops": len(counted.unknown_loops),
+        "by_source": [{"source": src, "matmul_flops": f} for src, f in counted.by_source[:8]]}
 
 
 def _explain(report: ProgramReport, dump) -> None:

@@ -52,6 +52,7 @@ class Instruction:
     operands: list
     attrs: str
     literal: str = ""
+    source: str = ""  # "file:line (function)" of the JAX code that made it, "" if unknown
 
     def shape(self) -> list:
         """Dimensions of the (first) array in the result type."""
@@ -67,12 +68,15 @@ class LoopFlops:
     once``. ``loops``: ``(source, trip count, matmul FLOPs of one trip)`` of each loop whose trip
     count was read, costliest (trips x FLOPs) first, where ``source`` is the JAX operation the
     loop came from (its HLO name if the HLO does not say); ``unknown_loops``: HLO names of the
-    loops counted once."""
+    loops counted once. ``by_source``: ``(source, FLOPs)`` pairs summing to ``total``, largest
+    first, where ``source`` is the ``"file:line (function)"`` of the JAX code that made each
+    matmul (from the module's stack frames; ``""`` where the HLO has none)."""
 
     total: float
     once: float
     loops: list
     unknown_loops: list
+    by_source: list = dataclasses.field(default_factory=list)
 
     @property
     def extra(self) -> float:
@@ -91,11 +95,52 @@ def _matching_paren(s: str, i: int) -> int:
     raise ValueError(f"unbalanced parentheses in HLO line: {s[:200]}")
 
 
+_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+
+def _short_path(path: str) -> str:
+    """A source path from its package directory on (``specjax/models/layers.py``), never the
+    machine's own directories."""
+    for root in ("/specjax/", "/experiments/", "/site-packages/"):
+        if root in path:
+            tail = path.rsplit(root, 1)[1]
+            return tail if root == "/site-packages/" else root.strip("/") + "/" + tail
+    return path.rsplit("/", 1)[-1]
+
+
+def _sources(tables: dict) -> dict:
+    """Stack frame id -> ``"file:line (function)"`` from the module's source tables (the
+    ``FileNames`` ... ``StackFrames`` sections ``as_text()`` prints; each instruction's
+    ``stack_frame_id`` is its innermost frame: the line of JAX code that made it)."""
+    files, functions = tables.get("FileNames", {}), tables.get("FunctionNames", {})
+    locations = {}
+    for i, text in tables.get("FileLocations", {}).items():
+        f = dict(kv.split("=", 1) for kv in text.split())
+        locations[i] = (f"{_short_path(files.get(f.get('file_name_id'), '?'))}:"
+                        f"{f.get('line', '?')} ({functions.get(f.get('function_name_id'), '?')})")
+    out = {}
+    for i, text in tables.get("StackFrames", {}).items():
+        f = dict(kv.split("=", 1) for kv in text.split())
+        out[i] = locations.get(f.get("file_location_id"), "")
+    return out
+
+
 def parse_hlo(text: str) -> tuple[dict, str]:
     """``({computation name: [Instruction, ...]}, entry computation name)`` of an HLO module's
     text (``compiled.as_text()``, or a dump's ``*.txt``)."""
     computations, current, entry = {}, None, None
+    tables, table = {}, None
+    frames = []  # (instruction, stack frame id), resolved once the tables are read
     for line in text.splitlines():
+        if current is None and line.strip() in _TABLES:
+            table = tables.setdefault(line.strip(), {})
+            continue
+        if table is not None:
+            m = re.match(r"(\d+) (?:\"(.*)\"|\{(.*)\})\s*$", line)
+            if m:
+                table[m.group(1)] = m.group(2) if m.group(2) is not None else m.group(3)
+                continue
+            table = None
         if current is None:
             m = _HEADER.match(line)
             if m:
@@ -119,8 +164,14 @@ def parse_hlo(text: str) -> tuple[dict, str]:
             name=m.group(1), type=line[i:j], op=op,
             operands=re.findall(r"%([\w.\-]+)", inside), attrs=rest[end:],
             literal=inside if op == "constant" else ""))
+        frame = re.search(r"\bstack_frame_id=(\d+)", rest[end:])
+        if frame and op in ("convolution", "dot"):
+            frames.append((current[-1], frame.group(1)))
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
+    sources = _sources(tables)
+    for ins, frame in frames:
+        ins.source = sources.get(frame, "")
     return computations, entry
 
 
@@ -291,14 +342,27 @@ def loop_flops(hlo_text: str) -> LoopFlops:
         else:
             order.append(node)
             stack.pop()
-    # One run of a computation: its own matmuls plus each callee's run times the trips.
-    full, once = {}, {}
+    # One run of a computation: its own matmuls plus each callee's run times the trips (and the
+    # same split by source line).
+    full, once, by_source = {}, {}, {}
     for name in order:
-        own = sum(matmul_flops(i, by_name) for i in computations[name])
-        full[name] = own + sum(trips * full[c] for c, trips in edges[name] if trips is not None) \
-            + sum(max(full[c] for c in group) for group in branches[name] if group)
-        once[name] = own + sum(once[c] for c, trips in edges[name] if trips is not None) \
+        own, src = 0.0, {}
+        for ins in computations[name]:
+            f = matmul_flops(ins, by_name)
+            if f:
+                own += f
+                src[ins.source] = src.get(ins.source, 0.0) + f
+        calls = [(c, trips) for c, trips in edges[name] if trips is not None]
+        taken = [max(group, key=full.__getitem__) for group in branches[name] if group]
+        full[name] = own + sum(trips * full[c] for c, trips in calls) + sum(full[c] for c in taken)
+        once[name] = own + sum(once[c] for c, _ in calls) \
             + sum(max(once[c] for c in group) for group in branches[name] if group)
+        for c, trips in calls + [(c, 1) for c in taken]:
+            for label, f in by_source[c].items():
+                src[label] = src.get(label, 0.0) + trips * f
+        by_source[name] = src
     rows = sorted(((n, t, full[b]) for n, t, b in loops if b in full), key=lambda r: -r[1] * r[2])
+    sources = sorted(by_source[entry].items(), key=lambda kv: -kv[1])
     return LoopFlops(total=full[entry], once=once[entry], loops=rows,
-                     unknown_loops=[loop for comp, loop in unknown if comp in full])
+                     unknown_loops=[loop for comp, loop in unknown if comp in full],
+                     by_source=sources)

@@ -61,6 +61,23 @@ def forward_flops_per_token(c: ModelConfig, context: int) -> float:
     return 2 * matmul_params(c) + 4 * c.num_layers * c.num_heads * c.head_dim * context
 
 
+def drafter_params_per_draft(drafter, params: int, seq: int, anchors: int) -> float:
+    """Drafter matmul parameters (attention's context counted as parameters) per drafted token.
+
+    An MTP chain runs every depth's block over the whole sequence, not at the anchors alone: the
+    block's attention at depth k reads the depth-k states of every earlier position. So each of
+    the ``anchors`` x γ drafted tokens of a row costs ``seq / anchors`` positions of one head's
+    parameters plus its attention over the sequence (``2 H Dh seq``, which ``6 x`` this turns
+    into the ``12 H Dh T`` of forward + backward). Other drafters run at the anchors' blocks:
+    their parameters, once per drafted token."""
+    from specjax.drafters.mtp import MTPDrafter
+    if not isinstance(drafter, MTPDrafter):
+        return params
+    heads = 1 if drafter.config.shared else drafter.config.num_heads
+    c = drafter.config.block_config(drafter.target_config)
+    return (params / heads + 2 * c.num_heads * c.head_dim * seq) * seq / anchors
+
+
 def _count(tree) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
 
@@ -102,7 +119,8 @@ def train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> Program:
         # frozen target forward + its head at the drafted rows; drafter forward + backward;
         # the drafter's frozen shared head: forward + input gradient.
         flops = (forward_flops_per_token(target, t) - 2 * head) * b * t + 2 * head * drafted \
-            + 6 * d_params * drafted + 4 * head * drafted
+            + 6 * drafter_params_per_draft(task.drafter, d_params, t, a) * drafted \
+            + 4 * head * drafted
         name = f"drafter_step[{cfg.task.drafter}:{cfg.task.loss}]"
         shapes.update(drafter=cfg.task.drafter, loss=cfg.task.loss, gamma=task.gamma,
                       anchors_per_row=cfg.task.anchors_per_row)
