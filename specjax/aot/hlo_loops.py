@@ -13,13 +13,15 @@ every enclosing loop. A loop's trip count is read as XLA reads it: from a
 ``known_trip_count`` annotation, else from the loop's shape ``i = c0; while i < C: i += s`` (the
 counter an element of the loop's tuple, its start and step constants). A loop whose trip count
 cannot be read this way (a ``lax.while_loop`` on data, such as the engine's device loop) is
-counted once and listed in :attr:`LoopFlops.unknown_loops`.
+counted once and listed in :attr:`LoopFlops.unknown_loops`. The count is also split by the
+source line of the JAX code that made each matmul (:attr:`LoopFlops.by_source`, from the module's
+stack frames): where a step's FLOPs go, and which a model-FLOPs formula leaves out.
 
 Only matmul FLOPs are counted: elementwise work, reductions and Pallas kernels (custom calls) are
 not. For a loop-free program :attr:`LoopFlops.once` is therefore at most the compiler's FLOPs (the
 difference is the elementwise work), and :attr:`LoopFlops.extra` (what the loops' further trips
 add) is what the compiler's count lacks. ``tests/test_aot_loops.py`` checks the counts against
-hand-computed HLO and against the compiler on TPU programs.
+hand-computed HLO, and ``tests/test_aot_tpu.py`` against TPU compilations.
 """
 from __future__ import annotations
 
