@@ -109,15 +109,14 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _show(report, header: bool = False) -> None:
-    """Prints a program's pre-flight notes: the FSDP tile warning, what its loops add to the
-    compiler's FLOPs, and the memory breakdown (or, for a program that does not fit, how to get
-    one); after a line with its name and fit when ``header``."""
+def _show(report, label: str = "") -> None:
+    """Prints a program's line (``label``, default its name: fits or not, memory, compile time)
+    and its pre-flight notes: the FSDP tile warning, what its loops add to the compiler's FLOPs,
+    and the memory breakdown (or, for a program that does not fit, how to get one)."""
     from specjax.aot import format_breakdown
-    if header:
-        print(f"  {report.name}: {'fits' if report.fits else 'does NOT fit'} "
-              f"({report.used_bytes / 2**30:.1f} of {report.hbm_bytes / 2**30:.1f} GiB) "
-              f"[{report.compile_seconds:.0f}s]", flush=True)
+    print(f"  {label or report.name}: {'fits' if report.fits else 'does NOT fit'} "
+          f"({report.used_bytes / 2**30:.1f} of {report.hbm_bytes / 2**30:.1f} GiB) "
+          f"[{report.compile_seconds:.0f}s]", flush=True)
     if report.notes.get("warning"):
         print(f"    note: {report.notes['warning']}", flush=True)
     line = _loops_line(report)
@@ -161,11 +160,7 @@ def _train_reports(config, topology: str, fit: bool, tries: int, compile_kw: dic
         report = aot.compile_program(aot.train_step(cfg, mesh), mesh, topology, **compile_kw)
         report.shapes["model"] = cfg.model.preset
         reports.append(report)
-        print(f"  {report.name} {cfg.model.preset} {cfg.data.batch_size}x{cfg.data.seq_len}: "
-              f"{'fits' if report.fits else 'does NOT fit'} "
-              f"({report.used_bytes / 2**30:.1f} of {report.hbm_bytes / 2**30:.1f} GiB) "
-              f"[{report.compile_seconds:.0f}s]", flush=True)
-        _show(report)
+        _show(report, f"{report.name} {cfg.model.preset} {cfg.data.batch_size}x{cfg.data.seq_len}")
         if report.fits or cfg.data.seq_len <= 256:
             break
         cfg = cfg.copy_and_resolve_references()
@@ -206,7 +201,7 @@ def plan(config, topology: str, programs, *, fit=False, tries=2, slots=64, max_l
                 continue
             p.shapes["model"] = config.model.preset
             reports.append(aot.compile_program(p, mesh, topology, **compile_kw))
-            _show(reports[-1], header=True)
+            _show(reports[-1])
     if "rejection" in programs:
         n = len(aot.topology_devices(topology))
         mesh = aot.topology_mesh(topology, {"data": -1})
@@ -217,7 +212,7 @@ def plan(config, topology: str, programs, *, fit=False, tries=2, slots=64, max_l
             p = aot.rejection_kernel(mesh, batch=n * max(1, slots // n), gamma=gamma,
                                      vocab=target.vocab_size, backend=backend)
             reports.append(aot.compile_program(p, mesh, topology, **compile_kw))
-            _show(reports[-1], header=True)
+            _show(reports[-1])
     return [r.to_dict() for r in reports]
 
 

@@ -228,8 +228,9 @@ def compile_report(name: str, lower: Callable[[], Any], mesh: Mesh, topology: st
         if dump is not None:
             dump.cleanup()
     report.compiled = True
+    hlo_text = compiled.as_text()  # tens of MB for a large step: read once, used twice
     if copy_watch is not None:
-        report.notes["whole_copies"] = count_copies(compiled.as_text(), copy_watch)
+        report.notes["whole_copies"] = count_copies(hlo_text, copy_watch)
     mem = compiled.memory_analysis()
     report.argument_bytes = int(mem.argument_size_in_bytes)
     report.output_bytes = int(mem.output_size_in_bytes)
@@ -244,7 +245,7 @@ def compile_report(name: str, lower: Callable[[], Any], mesh: Mesh, topology: st
     # every v5e and v6e step), which must not pass for a time.
     if float(cost.get("optimal_seconds", -1.0)) >= 0:
         report.compiler_seconds = float(cost["optimal_seconds"])
-    _count_loops(report, compiled)
+    _count_loops(report, hlo_text)
     if loop_multiplier > 1:
         # XLA's cost analysis counts a while loop's body once, whatever its trip count; scale the
         # step by its microbatch count (this also repeats the once-per-step optimizer update, so
@@ -266,13 +267,13 @@ def compile_report(name: str, lower: Callable[[], Any], mesh: Mesh, topology: st
     return report
 
 
-def _count_loops(report: ProgramReport, compiled) -> None:
+def _count_loops(report: ProgramReport, hlo_text: str) -> None:
     """``report.loop_flops`` and ``notes["loops"]`` from the compiled module's HLO text: the
     matmul FLOPs with every loop's trips, the costliest loops with matmuls in them (source,
     trips, matmul FLOPs of one trip) and the eight source lines with the most matmul FLOPs.
     Called before any ``loop_multiplier`` scaling."""
     try:
-        counted = hlo_loops.loop_flops(compiled.as_text())
+        counted = hlo_loops.loop_flops(hlo_text)
     except (ValueError, KeyError, IndexError, AttributeError) as e:  # an HLO this parser misreads
         report.notes["loops"] = {"error": f"{type(e).__name__}: {e}"[:300]}
         return

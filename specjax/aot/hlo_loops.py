@@ -30,13 +30,12 @@ import math
 import re
 from typing import Optional
 
-from specjax.aot.peak import op_source
+from specjax.aot.peak import op_source, split_instruction
 
 __all__ = ["LoopFlops", "Instruction", "parse_hlo", "trip_count", "matmul_flops", "loop_flops"]
 
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
-_INSTRUCTION = re.compile(r"\s*(?:ROOT\s+)?%([\w.\-]+) = ")
 _CALLS = re.compile(r"\b(?:calls|body|to_apply|true_computation|false_computation)=%([\w.\-]+)")
 _KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 # Ops that only pass a counter through (the counter may be copied into the loop's tuple).
@@ -152,18 +151,16 @@ def parse_hlo(text: str) -> tuple[dict, str]:
         if line.strip() == "}":
             current = None
             continue
-        m = _INSTRUCTION.match(line)
-        if not m:
+        parts = split_instruction(line)
+        if parts is None:
             continue
-        i = m.end()
-        j = _matching_paren(line, i) if line[i] == "(" else line.index(" ", i)
-        rest = line[j + 1:]
+        name, type_text, rest = parts
         k = rest.index("(")
         end = _matching_paren(rest, k)
         inside = rest[k + 1:end - 1]
         op = rest[:k]
         current.append(Instruction(
-            name=m.group(1), type=line[i:j], op=op,
+            name=name, type=type_text, op=op,
             operands=re.findall(r"%([\w.\-]+)", inside), attrs=rest[end:],
             literal=inside if op == "constant" else ""))
         frame = re.search(r"\bstack_frame_id=(\d+)", rest[end:])

@@ -63,18 +63,29 @@ def _element_shape(type_text: str, index: str) -> str:
     return shapes[i] if i < len(shapes) else type_text
 
 
+def split_instruction(line: str) -> Optional[tuple[str, str, str]]:
+    """``(name, type text, remainder)`` of an HLO instruction line (``%n = TYPE op(...), ...``;
+    the remainder starts at the opcode), or ``None`` for any other line. Shared with
+    :mod:`specjax.aot.hlo_loops`."""
+    m = _INSTRUCTION.match(line)
+    if not m:
+        return None
+    type_text, rest = _split_type(m.group(2))
+    return m.group(1), type_text, rest.lstrip()
+
+
 def _definitions(hlo_text: str) -> dict[str, tuple[str, str]]:
     """HLO instruction name -> ``(type text, label)`` for every instruction of a module's text."""
     out = {}
     for line in hlo_text.splitlines():
-        m = _INSTRUCTION.match(line)
-        if not m:
+        parts = split_instruction(line)
+        if parts is None:
             continue
-        type_text, rest = _split_type(m.group(2))
+        name, type_text, rest = parts
         target = _TARGET.search(rest)
         opcode = _OPCODE.match(rest)
         op = target.group(1) if target else (opcode.group(1) if opcode else "?")
-        out[m.group(1)] = (type_text, f"{op} {op_source(rest)}".strip())
+        out[name] = (type_text, f"{op} {op_source(rest)}".strip())
     return out
 
 
