@@ -102,7 +102,7 @@ def cache_once_profiles(reports: list, target: str, topology: str, concurrencies
     import jax.numpy as jnp
     from experiments.configs.tpu_pod import get_config
     from specjax.aot import chip_of
-    from specjax.aot.programs import matmul_params
+    from specjax.models.flops import matmul_params
     from specjax.training.lm_task import model_config_from
     model = model_config_from(get_config(f"{target},dspark,{topology}"))
     chip = chip_of(topology)

@@ -44,6 +44,7 @@ DRAFTER_SOURCES = TARGET_SOURCES + (
     "losses/e2e_tv.py", "losses/tv.py", "sampling.py",
     "drafters/__init__.py", "drafters/base.py", "drafters/blocks.py",
     "drafters/draft_lm.py", "drafters/dspark.py", "drafters/mtp.py", "drafters/ngram.py",
+    "models/flops.py",
     "training/drafter_build.py", "training/drafter_data.py", "training/drafter_run.py",
     "training/drafter_task.py",
 )

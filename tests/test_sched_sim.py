@@ -128,7 +128,7 @@ def test_cache_read_once_profile_is_the_roofline_of_weights_plus_one_kv_read():
     from experiments.configs.tpu_pod import get_config
     from experiments.scheduler_sim import cache_once_profiles
     from specjax.aot import chip_of
-    from specjax.aot.programs import matmul_params
+    from specjax.models.flops import matmul_params
     from specjax.training.lm_task import model_config_from
     reports = [{"name": "engine.draft", "roofline_seconds": 1e-3},
                {"name": "engine.verify[N=16]", "shapes": {"bucket": 16}, "flops": 1e9,

@@ -21,7 +21,6 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -29,6 +28,7 @@ from specjax.aot.chips import fsdp_tile_warning
 from specjax.aot.compile import abstract, replicated_like
 from specjax.models import ModelConfig, Transformer
 from specjax.models import partitioning
+from specjax.models.flops import forward_flops_per_token
 from specjax.training import sharding as sharding_lib
 
 
@@ -44,42 +44,6 @@ class Program:
     loop_multiplier: int = 1
     # elements of an array (the engine's layered KV cache) whose whole copies the report counts
     copy_watch: Optional[int] = None
-
-
-# ------------------------------------------------------------------------------------------------
-# FLOP counts (PaLM appendix B: 6 N per trained token + 12 L H Dh T for attention)
-# ------------------------------------------------------------------------------------------------
-def matmul_params(c: ModelConfig) -> int:
-    """Parameters that multiply activations per token: blocks + the LM head (not the lookup)."""
-    attn = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
-    return c.num_layers * (attn + 3 * c.hidden_size * c.intermediate_size) + \
-        c.vocab_size * c.hidden_size
-
-
-def forward_flops_per_token(c: ModelConfig, context: int) -> float:
-    """Forward FLOPs of one token attending to ``context`` positions."""
-    return 2 * matmul_params(c) + 4 * c.num_layers * c.num_heads * c.head_dim * context
-
-
-def drafter_params_per_draft(drafter, params: int, seq: int, anchors: int) -> float:
-    """Drafter matmul parameters (attention's context counted as parameters) per drafted token.
-
-    An MTP chain runs every depth's block over the whole sequence, not at the anchors alone: the
-    block's attention at depth k reads the depth-k states of every earlier position. So each of
-    the ``anchors`` x γ drafted tokens of a row costs ``seq / anchors`` positions of one head's
-    parameters plus its attention over the sequence (``2 H Dh seq``, which ``6 x`` this turns
-    into the ``12 H Dh T`` of forward + backward). Other drafters run at the anchors' blocks:
-    their parameters, once per drafted token."""
-    from specjax.drafters.mtp import MTPDrafter
-    if not isinstance(drafter, MTPDrafter):
-        return params
-    heads = 1 if drafter.config.shared else drafter.config.num_heads
-    c = drafter.config.block_config(drafter.target_config)
-    return (params / heads + 2 * c.num_heads * c.head_dim * seq) * seq / anchors
-
-
-def _count(tree) -> int:
-    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -113,14 +77,13 @@ def train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> Program:
     else:
         task = trainer.task
         a = cfg.task.anchors_per_row or t
-        drafted = b * a * task.gamma
-        d_params = _count(task.abstract_params)
         head = target.vocab_size * target.hidden_size
-        # frozen target forward + its head at the drafted rows; drafter forward + backward;
-        # the drafter's frozen shared head: forward + input gradient.
-        flops = (forward_flops_per_token(target, t) - 2 * head) * b * t + 2 * head * drafted \
-            + 6 * drafter_params_per_draft(task.drafter, d_params, t, a) * drafted \
-            + 4 * head * drafted
+        # The frozen target's forward, its LM head only at the drafted rows when anchors are
+        # sampled (over every position otherwise: the full logits are computed and gathered),
+        # then the drafter's own count (forward, backward, its uses of the shared head).
+        head_rows = a * task.gamma if cfg.task.anchors_per_row else t
+        flops = b * ((forward_flops_per_token(target, t) - 2 * head) * t + 2 * head * head_rows
+                     + task.drafter.train_flops(t, a, task.gamma))
         name = f"drafter_step[{cfg.task.drafter}:{cfg.task.loss}]"
         shapes.update(drafter=cfg.task.drafter, loss=cfg.task.loss, gamma=task.gamma,
                       anchors_per_row=cfg.task.anchors_per_row)

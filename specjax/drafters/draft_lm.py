@@ -25,6 +25,7 @@ from flax import nnx
 from specjax.drafters.base import (DraftOutput, Observation, Sampling, TeacherForced,
                                    default_anchors, draw, gather_positions)
 from specjax.models.config import ModelConfig
+from specjax.models.flops import forward_flops_per_token
 from specjax.models.kv_cache import KVCache, init_cache
 from specjax.models.transformer import Transformer, apply
 
@@ -121,6 +122,14 @@ class DraftLMDrafter:
                             num_pending=jnp.clip(num, 1, 2).astype(jnp.int32))
 
     # -- training --------------------------------------------------------------------------------
+    def train_flops(self, seq: int, anchors: int, gamma: int) -> float:
+        """Model FLOPs of one training row of ``seq`` tokens (:meth:`teacher_forced`, forward and
+        backward): the draft model runs over every position and its logits are gathered at the
+        anchors afterwards, so ``anchors`` and ``gamma`` do not change the count. It owns its LM
+        head (counted in its forward); the frozen target's forward is the caller's."""
+        del anchors, gamma
+        return 3 * forward_flops_per_token(self.config, seq) * seq
+
     def teacher_forced(self, params, frozen, tokens: jax.Array, hidden=None, *, gamma: int,
                        anchors: Optional[jax.Array] = None) -> TeacherForced:
         """Draft k of anchor i is the draft model's next-token logits at position ``i + k``.

@@ -45,6 +45,7 @@ from specjax.drafters.base import (DraftOutput, Observation, Sampling, SharedHea
                                    default_anchors, draw, drop_invalid, gather_positions)
 from specjax.drafters.blocks import block_forward, context_block_attention, project_kv
 from specjax.models.attention import kv_windows, window_switch
+from specjax.models.flops import attention_flops_per_query, block_matmul_params
 from specjax.models.config import ModelConfig
 from specjax.models.layers import RMSNorm, param, rope_inv_freq
 from specjax.models.transformer import Block
@@ -313,6 +314,31 @@ class DSparkDrafter:
         return out, state
 
     # -- training --------------------------------------------------------------------------------
+    def train_flops(self, seq: int, anchors: int, gamma: int) -> float:
+        """Model FLOPs of one training row of ``seq`` tokens (:meth:`teacher_forced`, forward and
+        backward) with ``anchors`` blocks of ``gamma`` tokens.
+
+        Over every position: the context features (``m d -> d``; forward and weight gradient,
+        the target's hidden states carry no gradient) and each backbone layer's context keys /
+        values. Per block token: the backbone blocks, their attention over the whole context plus
+        the block (the mask is applied to a dense score matrix), the frozen shared head (forward
+        and input gradient), the sequential head (``W2``, the RNN cell) and the confidence head.
+        ``W1`` is a lookup, not a matmul. The frozen target's forward is the caller's."""
+        c, r = self._block_config(), self.config.rank
+        d, v, layers = c.hidden_size, self.target_config.vocab_size, c.num_layers
+        tokens = anchors * gamma
+        per_position = 4 * len(self.config.target_layers) * d * d + \
+            6 * layers * d * c.head_dim * 2 * c.num_kv_heads
+        per_token = 3 * (2 * layers * block_matmul_params(c)
+                         + attention_flops_per_query(c, seq + gamma)) + 4 * v * d
+        if self.config.head == "rnn":
+            per_token += 6 * (2 * r + d) * 3 * r
+        if self.config.head != "none":
+            per_token += 6 * r * v
+        if self.config.confidence:
+            per_token += 6 * (d + r)
+        return per_position * seq + per_token * tokens
+
     def teacher_forced(self, params, frozen: SharedHead, tokens: jax.Array, hidden: jax.Array, *,
                        gamma: int, anchors: Optional[jax.Array] = None) -> TeacherForced:
         """Teacher-forced blocks at A anchors per row (DSpark §3.3: γ-token blocks at sampled

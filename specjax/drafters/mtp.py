@@ -46,6 +46,7 @@ from specjax.drafters.base import (DraftOutput, Observation, Sampling, SharedHea
                                    default_anchors, draw, drop_invalid, gather_positions)
 from specjax.drafters.blocks import block_forward, cached_attention, causal_self_attention
 from specjax.models.config import ModelConfig
+from specjax.models.flops import attention_flops_per_query, block_matmul_params
 from specjax.models.layers import RMSNorm, param, rope_inv_freq
 from specjax.models.transformer import Block
 
@@ -280,6 +281,20 @@ class MTPDrafter:
         return out, dataclasses.replace(state, k=tuple(ks), v=tuple(vs))
 
     # -- training --------------------------------------------------------------------------------
+    def train_flops(self, seq: int, anchors: int, gamma: int) -> float:
+        """Model FLOPs of one training row of ``seq`` tokens (:meth:`teacher_forced`, forward and
+        backward) with ``anchors`` anchors and chain depth ``gamma``.
+
+        Each depth runs one head's ``2d -> d`` projection and block over *every* position, not
+        at the anchors alone (the block's attention at depth k reads the depth-k states of every
+        earlier position): ``6 (2 d^2 + N_block) + 12 H Dh seq`` per position and depth. The
+        frozen shared head runs at the anchors of each depth, forward and input gradient
+        (``4 V d``). The frozen target's forward is the caller's."""
+        c = self.config.block_config(self.target_config)
+        d = c.hidden_size
+        position = 2 * (2 * d * d + block_matmul_params(c)) + attention_flops_per_query(c, seq)
+        return gamma * (3 * position * seq + 4 * c.vocab_size * d * anchors)
+
     def teacher_forced(self, params, frozen: SharedHead, tokens: jax.Array,
                        hidden: jax.Array, *, gamma: int,
                        anchors: Optional[jax.Array] = None) -> TeacherForced:
