@@ -28,7 +28,10 @@ would set it on the TPU VM::
 ``--table`` compiles the documented grid instead (Qwen3-0.6B / 4B / 8B targets x MTP / DSpark
 drafters x v5e-8 / v5e-256 / v5p-64 / v6e-16, configs of ``experiments/configs/tpu_pod.py``), the
 table of docs/TPU.md: each row from 4096 tokens per row, halved until it fits (down to 512), at
-the pod config's 256 x 4096 tokens per step (twice the rows at half the sequence).
+the pod config's 256 x 4096 tokens per step (twice the rows at half the sequence). With
+``--recount_model_flops`` it compiles nothing: it counts the model FLOPs of the rows already in
+``--out``'s ``table.json`` again (after a change to the formulas) and derives their roofline and
+MFU from them, the compiled numbers kept.
 
 Needs libtpu (``make libtpu``); the compilation runs on the CPU.
 """
@@ -59,6 +62,9 @@ _OUT = flags.DEFINE_string("out", "tpu_plan", "Output directory (plan.json, plan
 _FIT = flags.DEFINE_bool("fit", False, "Halve the sequence of a train step until it fits.")
 _FIT_TRIES = flags.DEFINE_integer("fit_tries", 2, "Most halvings with --fit.")
 _TABLE = flags.DEFINE_bool("table", False, "Compile the docs/TPU.md grid (ignores --config).")
+_RECOUNT = flags.DEFINE_bool(
+    "recount_model_flops", False, "With --table: derive the model FLOPs, roofline and MFU of the "
+    "rows of --out/table.json again from the current formulas, without compiling.")
 _SLOTS = flags.DEFINE_integer("engine_slots", 64, "Engine slots S.")
 _MAX_LEN = flags.DEFINE_integer("engine_max_len", 4096, "Engine cache length per slot.")
 _EXPLAIN = flags.DEFINE_bool("explain_memory", False, "Report what is alive at each program's "
@@ -245,6 +251,36 @@ def table(out: str, **plan_kw) -> list:
     return rows
 
 
+def recount_table(out: str) -> list:
+    """``out/table.json``'s rows with their model FLOPs counted again by the current formulas
+    (:func:`specjax.aot.recount_model_flops`: roofline, bound and MFU follow; the compiled
+    numbers stay). Each row's program is built again from the pod config of its target, drafter,
+    slice and sequence, not compiled, and must have the row's name and shapes."""
+    from experiments.configs.tpu_pod import TABLE_SLICES, get_config
+    from specjax import aot
+    slices = {aot.topology_name(s): s for s in TABLE_SLICES}
+    with open(os.path.join(out, "table.json")) as f:
+        rows = json.load(f)
+    recounted = []
+    for row in rows:
+        sh = row["shapes"]
+        config = get_config(f"{sh['model']},{sh['drafter']},{slices[row['topology']]},{sh['seq']}")
+        mesh = aot.topology_mesh(row["topology"], config.mesh.to_dict())
+        program = aot.train_step(config, mesh)
+        # a setting added since the row was compiled must be off (0) in it: the row ran without
+        added = [program.shapes[k] for k in program.shapes if k not in sh]
+        if program.name != row["name"] or any(added) or \
+                any(program.shapes.get(k) != v for k, v in sh.items()):
+            raise ValueError(f"{row['name']} {sh}: the pod config now builds {program.name} "
+                             f"{program.shapes}; compile the table again")
+        recounted.append(aot.recount_model_flops(row, program.model_flops / row["num_devices"]))
+        before, now = row.get("mfu") or 0.0, recounted[-1]["mfu"] or 0.0
+        print(f"  {row['name']} {sh['model']} {row['topology']} {sh['seq']}: model FLOPs "
+              f"x{recounted[-1]['model_flops'] / row['model_flops']:.3f}, MFU "
+              f"{100 * before:.0f}% -> {100 * now:.0f}%")
+    return recounted
+
+
 def _write(rows: list, out: str, stem: str) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"{stem}.json"), "w") as f:
@@ -265,8 +301,11 @@ def main(argv) -> None:
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     try:
+        if _RECOUNT.value and not _TABLE.value:
+            raise app.UsageError("--recount_model_flops works on --table's output")
         if _TABLE.value:
-            rows = table(_OUT.value, explain=_EXPLAIN.value, xla_options=xla_options)
+            rows = (recount_table(_OUT.value) if _RECOUNT.value else
+                    table(_OUT.value, explain=_EXPLAIN.value, xla_options=xla_options))
             stem = "table"
         else:
             if _CONFIG.value is None:

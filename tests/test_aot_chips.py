@@ -64,3 +64,27 @@ def test_parse_compiler_options_types_values_and_refuses_bare_names():
     for bad in ("xla_a", "=1"):
         with pytest.raises(ValueError, match="NAME=VALUE"):
             parse_compiler_options([bad])
+
+
+def test_recount_model_flops_derives_the_roofline_again_by_hand():
+    """``recount_model_flops`` replaces a report's model FLOPs and derives roofline, bound and
+    MFU again from its compiled numbers: on v5e (197 TFLOP/s, 819 GB/s per chip) 1.97e12 FLOPs
+    are 10 ms and 1.638e10 bytes 20 ms; model FLOPs of 5.91e12 make the step compute-bound at
+    30 ms with an MFU of 1 (set by them), 0.985e12 leave it memory-bound at 20 ms with an MFU of
+    1/4."""
+    from specjax.aot.compile import ProgramReport, recount_model_flops
+    row = ProgramReport(name="step", topology="v5e:2x4", chip="v5e", num_devices=8, mesh={},
+                        shapes={},
+                        compiled=True, flops=1.97e12, bytes_accessed=1.638e10,
+                        hbm_bytes=chips.CHIPS["v5e"].hbm_bytes, model_flops=1.0e12,
+                        notes={"x": 1}).to_dict()
+    up = recount_model_flops(row, 5.91e12)
+    assert up["bound"] == "compute" and up["roofline_seconds"] == pytest.approx(0.03)
+    assert up["mfu"] == pytest.approx(1.0) and up["model_flops"] == 5.91e12
+    assert up["notes"] == {"x": 1, "model_flops_compiled_with": 1.0e12} and row["notes"] == {"x": 1}
+    down = recount_model_flops(up, 0.985e12)  # keeps the value it was compiled with
+    assert down["bound"] == "memory" and down["roofline_seconds"] == pytest.approx(0.02)
+    assert down["mfu"] == pytest.approx(0.25)
+    assert down["notes"]["model_flops_compiled_with"] == 1.0e12
+    with pytest.raises(ValueError, match="only a compiled report"):
+        recount_model_flops({**row, "compiled": False}, 1e12)

@@ -378,6 +378,41 @@ def test_remat_study_trades_memory_for_recomputed_matmuls():
     assert full["temp_gib"] < none["temp_gib"]
 
 
+def test_tpu_plan_recounts_a_tables_model_flops_without_compiling(tmp_path):
+    """``tpu_plan --table --recount_model_flops`` counts the model FLOPs of the rows already in
+    ``--out``'s ``table.json`` again, and derives roofline and MFU from them: a committed row
+    (Qwen3-0.6B + DSpark on v5e-8) with its model FLOPs halved, as a formula change would leave
+    them, comes back as committed, the halved value kept in its notes. A row its pod config no
+    longer builds (64 anchors per row, where it has 128) is refused, not recounted. Subprocesses: the entry point's
+    absl flags must not meet another entry point's in this test process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from _tiny_runs import ROOT, hermetic_env, run_module
+    table = os.path.join(ROOT, "experiments", "results", "tpu", "table.json")
+    (row,) = [r for r in json.load(open(table)) if (r["shapes"]["model"], r["shapes"]["drafter"],
+                                                    r["topology"]) == ("qwen3-0.6b", "dspark",
+                                                                       "v5e:2x4")]
+    env = hermetic_env(tmp_path)
+    out = tmp_path / "table"
+    out.mkdir()
+    (out / "table.json").write_text(json.dumps([{**row, "model_flops": row["model_flops"] / 2,
+                                                 "mfu": row["mfu"] / 2, "notes": {}}]))
+    run_module(env, "experiments.tpu_plan", "--table", "--recount_model_flops", "--out", out)
+    (again,) = json.loads((out / "table.json").read_text())
+    assert again["model_flops"] == row["model_flops"] and again["mfu"] == row["mfu"]
+    assert again["notes"] == {"model_flops_compiled_with": row["model_flops"] / 2}
+    assert (out / "table.md").read_text().count("drafter_step[dspark:dspark]") == 1
+    (out / "table.json").write_text(json.dumps([{**row, "shapes": {**row["shapes"],
+                                                                   "anchors_per_row": 64}}]))
+    proc = subprocess.run([sys.executable, "-m", "experiments.tpu_plan", "--table",
+                           "--recount_model_flops", "--out", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "compile the table again" in proc.stderr
+
+
 def test_tpu_plan_compiles_one_kind_of_engine_step(tmp_path):
     """``python -m experiments.tpu_plan --programs engine.prefill`` compiles the engine's prefill
     step alone (``engine`` would compile the draft, each verification bucket and the device loop

@@ -8,7 +8,7 @@ rejection sampler) from abstract sharded inputs.
 """
 from specjax.aot.chips import CHIPS, ChipSpec, chip_of, num_chips, topology_name
 from specjax.aot.compile import (HBM_BUDGET, ProgramReport, compile_report, count_copies,
-                                 parse_oom, topology_devices, topology_mesh)
+                                 parse_oom, recount_model_flops, topology_devices, topology_mesh)
 from specjax.aot.env import LibtpuMissing, ensure_libtpu, libtpu_path
 from specjax.aot.peak import format_breakdown, peak_breakdown
 from specjax.aot.programs import (EngineShapes, Program, engine_steps, rejection_kernel,
@@ -16,7 +16,8 @@ from specjax.aot.programs import (EngineShapes, Program, engine_steps, rejection
 
 __all__ = [
     "CHIPS", "ChipSpec", "chip_of", "num_chips", "topology_name", "HBM_BUDGET", "ProgramReport",
-    "compile_report", "count_copies", "parse_oom", "topology_devices", "topology_mesh",
+    "compile_report", "count_copies", "parse_oom", "recount_model_flops", "topology_devices",
+    "topology_mesh",
     "LibtpuMissing", "ensure_libtpu", "libtpu_path", "format_breakdown", "peak_breakdown",
     "EngineShapes", "Program", "engine_steps", "rejection_kernel", "train_step",
 ]

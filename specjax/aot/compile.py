@@ -32,7 +32,8 @@ each TensorCore of a chip as a device):
   :mod:`specjax.aot.chips`: a lower bound on the step time (collectives and imperfect overlap are
   not in it). ``mfu``: the caller's model FLOPs (e.g. ``6 N`` per trained token) over
   ``roofline_seconds x peak`` — the MFU the step would have if it ran at its roofline, an upper
-  bound on the real one.
+  bound on the real one. :func:`recount_model_flops` derives both again for a report whose model
+  FLOPs are counted anew (the compilation does not depend on them).
 """
 from __future__ import annotations
 
@@ -150,9 +151,10 @@ def parse_oom(message: str) -> Optional[tuple[int, int]]:
     return None
 
 
-def _chip_and_share(mesh: Mesh, topology: str):
+def _chip_and_share(num_devices: int, topology: str):
+    """The chip of ``topology`` and how many of ``num_devices`` share one (v4: two cores)."""
     chip = chips_lib.chip_of(topology)
-    per_chip = max(1, mesh.devices.size // chips_lib.num_chips(topology))
+    per_chip = max(1, num_devices // chips_lib.num_chips(topology))
     return chip, per_chip
 
 
@@ -193,7 +195,7 @@ def compile_report(name: str, lower: Callable[[], Any], mesh: Mesh, topology: st
       A :class:`ProgramReport`; a compiler refusal for lack of memory is a report with
       ``compiled=False`` and the compiler's numbers, any other error is raised.
     """
-    chip, per_chip = _chip_and_share(mesh, topology)
+    chip, per_chip = _chip_and_share(mesh.devices.size, topology)
     n = mesh.devices.size
     report = ProgramReport(
         name=name, topology=chips_lib.topology_name(topology), chip=chip.name, num_devices=n,
@@ -254,6 +256,12 @@ def compile_report(name: str, lower: Callable[[], Any], mesh: Mesh, topology: st
         report.notes["compiler_bytes_once"] = report.bytes_accessed
         report.flops *= loop_multiplier
         report.bytes_accessed *= loop_multiplier
+    _roofline(report, chip, per_chip)
+    return report
+
+
+def _roofline(report: ProgramReport, chip, per_chip: int) -> None:
+    """``roofline_seconds``, ``bound`` and ``mfu`` of a compiled report from its counts."""
     peak = chip.peak_bf16_flops / per_chip
     bandwidth = chip.hbm_bandwidth / per_chip
     # Loops are counted once by the compiler. The loop-aware matmul count and the model FLOPs
@@ -262,9 +270,27 @@ def compile_report(name: str, lower: Callable[[], Any], mesh: Mesh, topology: st
     t_flops, t_bytes = flops / peak, report.bytes_accessed / bandwidth
     report.roofline_seconds = max(t_flops, t_bytes)
     report.bound = "compute" if t_flops >= t_bytes else "memory"
+    report.mfu = None
     if report.model_flops is not None and report.roofline_seconds > 0:
         report.mfu = report.model_flops / (report.roofline_seconds * peak)
-    return report
+
+
+def recount_model_flops(row: dict, model_flops: float) -> dict:
+    """A compiled report's dict (:meth:`ProgramReport.to_dict`) with its model FLOPs replaced by
+    ``model_flops`` (per device, as the report keeps them) and its roofline, bound and MFU derived
+    again; the compiler's numbers (memory, FLOPs, bytes, loop counts) stay as compiled. That is
+    what compiling the same program again reports when only the model-FLOPs formula changed (the
+    compilation itself does not depend on it). The value it replaces is kept in
+    ``notes["model_flops_compiled_with"]`` (the first one, if recounted twice)."""
+    if not row.get("compiled"):
+        raise ValueError(f"{row.get('name')}: only a compiled report has a roofline to recount")
+    fields = {f.name for f in dataclasses.fields(ProgramReport)}
+    report = ProgramReport(**{k: v for k, v in row.items() if k in fields})
+    report.notes = dict(report.notes)
+    report.notes.setdefault("model_flops_compiled_with", report.model_flops)
+    report.model_flops = float(model_flops)
+    _roofline(report, *_chip_and_share(report.num_devices, report.topology))
+    return report.to_dict()
 
 
 def _count_loops(report: ProgramReport, hlo_text: str) -> None:
