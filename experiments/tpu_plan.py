@@ -303,6 +303,9 @@ def main(argv) -> None:
     try:
         if _RECOUNT.value and not _TABLE.value:
             raise app.UsageError("--recount_model_flops works on --table's output")
+        if _RECOUNT.value and not os.path.exists(os.path.join(_OUT.value, "table.json")):
+            raise app.UsageError(f"--recount_model_flops: no table.json in --out {_OUT.value} "
+                                 f"(write one with --table first)")
         if _TABLE.value:
             rows = (recount_table(_OUT.value) if _RECOUNT.value else
                     table(_OUT.value, explain=_EXPLAIN.value, xla_options=xla_options))
@@ -310,6 +313,11 @@ def main(argv) -> None:
         else:
             if _CONFIG.value is None:
                 raise app.UsageError("--config is required (or --table)")
+            from specjax.aot import topology_name
+            try:
+                topology_name(_TOPOLOGY.value)
+            except ValueError as e:
+                raise app.UsageError(f"--topology: {e}") from None
             bad = set(_PROGRAMS.value) - {"train", "engine", "rejection", *ENGINE_STEPS}
             if bad:
                 raise app.UsageError(f"unknown --programs {sorted(bad)}")

@@ -1,4 +1,5 @@
-"""Slice names, chip figures, the compiler's out-of-memory message and compiler options (no libtpu
+"""Slice names, chip figures, the compiler's out-of-memory message, compiler options, the roofline
+recount and tpu_plan's flag checks (no libtpu
 needed)."""
 import pytest
 
@@ -88,3 +89,22 @@ def test_recount_model_flops_derives_the_roofline_again_by_hand():
     assert down["notes"]["model_flops_compiled_with"] == 1.0e12
     with pytest.raises(ValueError, match="only a compiled report"):
         recount_model_flops({**row, "compiled": False}, 1e12)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--recount_model_flops"], "works on --table's output"),
+    (["--table", "--recount_model_flops", "--out", "{tmp}"], "no table.json in --out"),
+    (["--config", "experiments/configs/train_drafter.py:mtp_e2e_tv,tiny", "--topology", "v9-8"],
+     "--topology: unknown TPU slice 'v9-8'"),
+])
+def test_tpu_plan_refuses_bad_flags_with_a_usage_message(tmp_path, args, message):
+    """``python -m experiments.tpu_plan`` stops on these with absl's usage message and exit 1,
+    before any compilation (no libtpu needed), not with a traceback."""
+    import subprocess
+    import sys
+
+    from _tiny_runs import ROOT, hermetic_env
+    proc = subprocess.run([sys.executable, "-m", "experiments.tpu_plan",
+                           *[a.format(tmp=tmp_path) for a in args]], cwd=ROOT,
+                          env=hermetic_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr
