@@ -1,6 +1,5 @@
 """Slice names, chip figures, the compiler's out-of-memory message, compiler options, the roofline
-recount and tpu_plan's flag checks (no libtpu
-needed)."""
+recount and tpu_plan's flag checks (no libtpu needed)."""
 import pytest
 
 from specjax.aot import chips
