@@ -107,3 +107,17 @@ def test_tpu_plan_refuses_bad_flags_with_a_usage_message(tmp_path, args, message
                            *[a.format(tmp=tmp_path) for a in args]], cwd=ROOT,
                           env=hermetic_env(tmp_path), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_peak_flops_of_tpu_devices_and_none_elsewhere():
+    """The training loop's MFU denominator: the chip table's peak per device, summed, for devices
+    whose ``device_kind`` is a listed TPU; ``None`` (no MFU logged) if any device is not."""
+    from types import SimpleNamespace
+
+    from specjax.training.train_loop import peak_flops
+    v5e = SimpleNamespace(device_kind="TPU v5 lite")
+    assert chips.chip_of_device_kind("TPU v5 lite").name == "v5e"
+    assert chips.chip_of_device_kind("cpu") is None
+    assert peak_flops([v5e] * 8) == 8 * 197e12
+    assert peak_flops([v5e, SimpleNamespace(device_kind="cpu")]) is None
+    assert peak_flops([]) is None

@@ -48,6 +48,15 @@ def test_cli_trains_logs_evaluates_checkpoints_and_reopens(tmp_path):
     assert len(records) == n_lines, "re-opening a finished run appends nothing"
     train = [r for r in records if r["split"] == "train"]
     assert [r["step"] for r in train] == [2, 4]
+    # Model FLOPs of a step, by hand (PaLM appendix B): the tiny preset with one layer (D 64,
+    # F 128, 4 heads and 2 KV heads of 16) and V 2048 has N = 64·16·(2·4 + 2·2) + 3·64·128 +
+    # 2048·64 matmul weights; a row of T tokens costs 3 (2 N + 4·1·4·16·T) T. No MFU on a CPU.
+    n, t = 64 * 16 * 12 + 3 * 64 * 128 + 2048 * 64, config.data.seq_len
+    per_step = config.data.batch_size * 3 * (2 * n + 4 * 4 * 16 * t) * t
+    for r in train:
+        assert r["model_tflops_per_sec"] == pytest.approx(r["steps_per_sec"] * per_step / 1e12,
+                                                          rel=1e-9)
+        assert "mfu" not in r
     schedule = make_schedule(config.optimizer, config.train.num_steps)
     for r in train:  # the logged LR is the one the last update of the interval used
         assert r["lr"] == pytest.approx(float(schedule(r["step"] - 1)), rel=1e-6)

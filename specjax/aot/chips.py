@@ -109,6 +109,12 @@ def topology_name(name: str) -> str:
     return f"{gen}:{table[chips]}"
 
 
+def chip_of_device_kind(kind: str) -> Optional[ChipSpec]:
+    """The :class:`ChipSpec` whose ``device_kind`` is ``kind`` (``jax.Device.device_kind``, e.g.
+    "TPU v5 lite"); ``None`` for any other device (a CPU, a GPU, a TPU generation not listed)."""
+    return next((c for c in CHIPS.values() if c.device_kind == kind), None)
+
+
 def chip_of(topology: str) -> ChipSpec:
     """The :class:`ChipSpec` of a topology string (``"v5e:2x2"``) or slice name (``"v5e-8"``)."""
     gen = re.split(r"[:\-]", topology, maxsplit=1)[0]

@@ -71,28 +71,17 @@ def train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> Program:
     shapes = {"batch": b, "seq": t, "model": cfg.model.preset, "remat": cfg.train.remat,
               "logits_chunk": cfg.train.logits_chunk, "grad_accum": cfg.train.grad_accum_steps,
               "attention_chunk": cfg.train.attention_chunk}
-    if cfg.task.name == "lm":
-        flops = 3 * forward_flops_per_token(target, t) * b * t
-        name = "train_step"
-    else:
-        task = trainer.task
-        a = cfg.task.anchors_per_row or t
-        head = target.vocab_size * target.hidden_size
-        # The frozen target's forward, its LM head only at the drafted rows when anchors are
-        # sampled (over every position otherwise: the full logits are computed and gathered),
-        # then the drafter's own count (forward, backward, its uses of the shared head).
-        head_rows = a * task.gamma if cfg.task.anchors_per_row else t
-        flops = b * ((forward_flops_per_token(target, t) - 2 * head) * t + 2 * head * head_rows
-                     + task.drafter.train_flops(t, a, task.gamma))
+    name = "train_step"
+    if cfg.task.name == "drafter":
         name = f"drafter_step[{cfg.task.drafter}:{cfg.task.loss}]"
-        shapes.update(drafter=cfg.task.drafter, loss=cfg.task.loss, gamma=task.gamma,
+        shapes.update(drafter=cfg.task.drafter, loss=cfg.task.loss, gamma=trainer.task.gamma,
                       anchors_per_row=cfg.task.anchors_per_row)
     warning = fsdp_tile_warning(target.hidden_size, mesh.shape.get("fsdp", 1))
     notes = {"warning": warning} if warning else {}
     if trainer.compiler_options:  # config.train.tpu_compiler_options, in the step's jit
         notes["compiler_options"] = dict(trainer.compiler_options)
     return Program(
-        name=name, shapes=shapes, model_flops=float(flops),
+        name=name, shapes=shapes, model_flops=trainer.model_flops_per_step,
         loop_multiplier=cfg.train.grad_accum_steps, notes=notes,
         lower=lambda: trainer._step.lower(trainer.abstract_state, batch, trainer.abstract_frozen))
 

@@ -72,6 +72,7 @@ from flax import nnx
 from specjax import losses as L
 from specjax.losses.dspark import _sigmoid_bce
 from specjax.drafters import shared_head, teacher_forced_targets
+from specjax.models.flops import forward_flops_per_token
 from specjax.training.checkpoint import run_checkpoints_dir, warm_start_params
 from specjax.training.drafter_build import (DRAFTERS, LOSSES, build_drafter, drafter_defaults,
                                             load_target, logical_axes_of, target_abstract_params,
@@ -139,6 +140,17 @@ class DrafterTask:
 
     def param_logical_axes(self):
         return self._axes
+
+    def model_flops_per_row(self, seq: int) -> float:
+        """Model FLOPs of one training row of ``seq`` tokens: the frozen target's forward (its LM
+        head only at the drafted rows when anchors are sampled; over every position otherwise,
+        where the full logits are computed and gathered) plus the drafter's own count
+        (``drafter.train_flops``: forward, backward and its uses of the shared head)."""
+        c, a = self.target_config, self.task_config.anchors_per_row
+        head = c.vocab_size * c.hidden_size
+        head_rows = a * self.gamma if a else seq
+        return (forward_flops_per_token(c, seq) - 2 * head) * seq + 2 * head * head_rows \
+            + self.drafter.train_flops(seq, a or seq, self.gamma)
 
     def frozen_target(self):
         """``(graphdef, params)`` of the frozen target (loaded once, host/device arrays)."""

@@ -15,6 +15,7 @@ import ml_collections
 from flax import nnx
 
 from specjax.models import ModelConfig, Transformer, get_preset
+from specjax.models.flops import forward_flops_per_token
 from specjax.training.checkpoint import warm_start_params
 from specjax.training.errors import ConfigError
 from specjax.training.tasks import LOSS_WEIGHT, register_task
@@ -68,6 +69,11 @@ class LMTask:
 
     def frozen_logical_axes(self):
         return {}
+
+    def model_flops_per_row(self, seq: int) -> float:
+        """Model FLOPs of one training row of ``seq`` tokens, forward and backward (PaLM,
+        appendix B: ``6 N + 12 L H Dh seq`` per token; :mod:`specjax.models.flops`)."""
+        return 3 * forward_flops_per_token(self.model_config, seq) * seq
 
     def loss_fn(self, params, batch, rng, frozen):
         del rng, frozen  # deterministic model, nothing frozen

@@ -53,6 +53,10 @@ class TrainTask(Protocol):
                 frozen: PyTree) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Scalar loss and scalar metrics (may include :data:`LOSS_WEIGHT`). Pure; traced."""
 
+    # Optional: ``model_flops_per_row(seq) -> float``, the model FLOPs of one training row of
+    # ``seq`` tokens (forward and backward). With it the trainer logs model TFLOP/s and, on a
+    # TPU, MFU, and the pre-flight reports MFU (``Trainer.model_flops_per_step``).
+
 
 @dataclasses.dataclass(frozen=True)
 class TaskSpec:

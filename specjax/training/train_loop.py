@@ -43,6 +43,8 @@ def train_loop(trainer: Trainer, train_iter: inputs_lib.BatchIterator,
     bar = tqdm(total=num_steps, initial=start, desc="train", dynamic_ncols=True,
                disable=not (cfg.output.progress_bar and trainer.is_main))
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    flops_per_step = trainer.model_flops_per_step
+    peak = peak_flops(trainer.mesh.devices.flat)
     pending: list[dict] = []
     last_time, last_step = time.perf_counter(), start
     step = saved = start
@@ -63,6 +65,10 @@ def train_loop(trainer: Trainer, train_iter: inputs_lib.BatchIterator,
                     now = time.perf_counter()
                     sps = (step - last_step) / (now - last_time)
                     rates = {"steps_per_sec": sps, "tokens_per_sec": sps * tokens_per_step}
+                    if flops_per_step:
+                        rates["model_tflops_per_sec"] = sps * flops_per_step / 1e12
+                        if peak:
+                            rates["mfu"] = sps * flops_per_step / peak
                     last_time, last_step = now, step
                 summary = _summarise(pending)
                 pending = []
@@ -94,6 +100,17 @@ def train_loop(trainer: Trainer, train_iter: inputs_lib.BatchIterator,
     if trainer.workdir and trainer.is_main and cfg.output.plot:
         metrics_lib.plot_loss_curve(writer.path, os.path.join(trainer.workdir, "loss_curve.png"))
     return state
+
+
+def peak_flops(devices) -> Optional[float]:
+    """Peak bf16 FLOP/s of ``devices`` together, from the TPU chip table
+    (:data:`specjax.aot.chips.CHIPS`, one device per chip as a TPU VM's JAX shows them); ``None``
+    unless every device is a listed TPU (the MFU is then not logged)."""
+    from specjax.aot.chips import chip_of_device_kind  # the package pulls in the AOT code
+    chips = [chip_of_device_kind(d.device_kind) for d in devices]
+    if not chips or None in chips:
+        return None
+    return float(sum(c.peak_bf16_flops for c in chips))
 
 
 def _should_save(trainer, step: int) -> bool:

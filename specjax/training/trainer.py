@@ -161,6 +161,15 @@ class Trainer:
         self.eval_seconds: Optional[float] = None
 
     @property
+    def model_flops_per_step(self) -> Optional[float]:
+        """Model FLOPs of one step on the whole batch, from the task's ``model_flops_per_row``
+        (``None`` for a task without one): the numerator of the MFU the loop logs and the
+        pre-flight's (:mod:`specjax.aot`)."""
+        per_row = getattr(self.task, "model_flops_per_row", None)
+        d = self.config.data
+        return None if per_row is None else float(d.batch_size * per_row(d.seq_len))
+
+    @property
     def frozen(self) -> PyTree:
         """The task's frozen pytree, placed on the mesh once (on first use)."""
         if self._frozen is None:
