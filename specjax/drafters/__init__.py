@@ -21,7 +21,7 @@ so it is passed to ``jax.jit`` as a *static* argument)::
     tf = drafter.teacher_forced(params, frozen, tokens [B,T], hidden [m,B,T,D], *, gamma,
                                 anchors=None)                          # -> TeacherForced (training)
     drafter.train_flops(seq, anchors, gamma)  # model FLOPs of one training row (trainable
-                                              # drafters; specjax.aot's MFU adds the target)
+                                              # drafters; the drafter task adds the target's)
 
 * ``DraftOutput(tokens int32 [B, γ], probs f32 [B, γ, V], confidences f32 [B, γ] | None)``.
   ``tokens[:, k]`` is drawn from exactly ``probs[:, k]`` (``specjax.sampling.logits_to_probs`` with

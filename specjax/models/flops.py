@@ -7,8 +7,10 @@ head is. Attention is counted over the whole context a query is scored against (
 half of a causal score matrix is computed too). Norms, softmax and element-wise work are left
 out, as in the paper.
 
-The drafters count their own training steps on top of these (``train_flops`` of
-:mod:`specjax.drafters`); :mod:`specjax.aot.programs` adds the frozen target's forward.
+The training tasks count a step from these (``model_flops_per_row`` of
+:mod:`specjax.training.lm_task` and :mod:`specjax.training.drafter_task`, the latter with each
+drafter's own ``train_flops``); the trainer logs model TFLOP/s and MFU with them and the
+pre-flight (:mod:`specjax.aot`) reports MFU.
 """
 from __future__ import annotations
 
