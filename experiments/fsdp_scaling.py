@@ -378,4 +378,5 @@ def main(argv=None) -> list:
 
 
 if __name__ == "__main__":
+    aot.without_persistent_cache()  # TPU executables cannot be read back on this machine
     main()

@@ -293,8 +293,9 @@ def _write(rows: list, out: str, stem: str) -> None:
 def main(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from specjax.aot import LibtpuMissing
+    from specjax.aot import LibtpuMissing, without_persistent_cache
     from specjax.compiler_options import parse_compiler_options
+    without_persistent_cache()  # TPU executables cannot be read back on this machine
     start = time.time()
     try:
         xla_options = parse_compiler_options(_XLA_OPTIONS.value)

@@ -407,17 +407,25 @@ def test_tpu_plan_recounts_a_tables_model_flops_without_compiling(tmp_path):
 def test_tpu_plan_compiles_one_kind_of_engine_step(tmp_path):
     """``python -m experiments.tpu_plan --programs engine.prefill`` compiles the engine's prefill
     step alone (``engine`` would compile the draft, each verification bucket and the device loop
-    too), here with ``--explain_memory`` and an ``--xla_option``. A subprocess: the entry point's
+    too), here with ``--explain_memory`` and an ``--xla_option``, and leaves a configured
+    persistent compilation cache empty. A subprocess: the entry point's
     absl flags (``--config``) must not meet another entry point's in this test process."""
     import json
 
     from _tiny_runs import hermetic_env, run_module
-    run_module(hermetic_env(tmp_path), "experiments.tpu_plan",
+    env = hermetic_env(tmp_path)
+    # with a persistent compilation cache configured, nothing is written to it (a TPU executable
+    # could not be read back on this machine: the next run would warn and compile again)
+    cache = tmp_path / "jax_cache"
+    env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    run_module(env, "experiments.tpu_plan",
                "--config", "experiments/configs/train_drafter.py:mtp_e2e_tv,tiny",
                "--topology", TOPOLOGY, "--programs", "engine.prefill", "--engine_slots", 4,
                "--engine_max_len", 256, "--out", tmp_path / "plan", "--explain_memory",
                "--xla_option", "xla_tpu_enable_latency_hiding_scheduler=false")
     rows = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert not cache.exists() or not any(cache.iterdir())
     assert [r["name"] for r in rows] == ["engine.prefill[C=256]"]
     assert rows[0]["compiled"] and rows[0]["fits"] and "whole_copies" in rows[0]["notes"]
     notes = rows[0]["notes"]

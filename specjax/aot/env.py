@@ -64,3 +64,16 @@ def ensure_libtpu() -> str:
     # processes (pytest workers, a pre-flight next to a test run) may load it at once.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     return path
+
+
+def without_persistent_cache() -> None:
+    """Turns JAX's persistent compilation cache off in this process.
+
+    An executable compiled for a TPU topology on a machine without a TPU cannot be loaded back
+    there: with a cache directory set (``JAX_COMPILATION_CACHE_DIR``), the second compilation of
+    the same program fails to read its entry, warns and compiles again, and every compilation
+    writes a TPU executable into the cache (hundreds of MB for a large train step). The
+    ahead-of-time entry points call this first: JAX decides whether a process uses the cache at
+    its first compilation, so it must come before any."""
+    import jax
+    jax.config.update("jax_enable_compilation_cache", False)
