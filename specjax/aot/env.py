@@ -72,7 +72,7 @@ def without_persistent_cache() -> None:
     An executable compiled for a TPU topology on a machine without a TPU cannot be loaded back
     there: with a cache directory set (``JAX_COMPILATION_CACHE_DIR``), the second compilation of
     the same program fails to read its entry, warns and compiles again, and every compilation
-    writes a TPU executable into the cache (hundreds of MB for a large train step). The
+    writes a TPU executable into the cache that no later run can use. The
     ahead-of-time entry points call this first: JAX decides whether a process uses the cache at
     its first compilation, so it must come before any."""
     import jax
