@@ -694,10 +694,10 @@ def test_quoted_tpu_peak_breakdown_numbers_match_the_committed_results():
 
 def test_tpu_table_is_table_md_with_its_model_flops_counted_again():
     """docs/TPU.md's drafter-training table is ``table.md`` verbatim, whose roofline, bound and MFU
-    cells are ``table.json``'s, and the rows carry model FLOPs counted again with the current formulas (``tpu_plan
-    --table --recount_model_flops``): each keeps the smaller value it was compiled with, and its
-    roofline, bound and MFU are what ``compile_report`` derives from its numbers. The bullet on
-    the compute-bound rows matches them."""
+    cells are ``table.json``'s, and the rows carry model FLOPs counted again with the current
+    formulas (``tpu_plan --table --recount_model_flops``): each keeps the smaller value it was
+    compiled with, and its roofline, bound and MFU are what ``compile_report`` derives from its
+    numbers. The bullet on the compute-bound rows matches them."""
     from specjax.aot import recount_model_flops
     flat = " ".join(_tpu_doc().split())
     md = open(os.path.join(TPU, "table.md")).read().strip()
