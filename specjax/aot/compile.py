@@ -195,8 +195,8 @@ def compile_report(name: str, lower: Callable[[], Any], mesh: Mesh, topology: st
       A :class:`ProgramReport`; a compiler refusal for lack of memory is a report with
       ``compiled=False`` and the compiler's numbers, any other error is raised.
     """
-    chip, per_chip = _chip_and_share(mesh.devices.size, topology)
     n = mesh.devices.size
+    chip, per_chip = _chip_and_share(n, topology)
     report = ProgramReport(
         name=name, topology=chips_lib.topology_name(topology), chip=chip.name, num_devices=n,
         mesh={k: int(v) for k, v in mesh.shape.items()}, shapes=dict(shapes or {}),
