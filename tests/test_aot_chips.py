@@ -99,13 +99,9 @@ def test_recount_model_flops_derives_the_roofline_again_by_hand():
 def test_tpu_plan_refuses_bad_flags_with_a_usage_message(tmp_path, args, message):
     """``python -m experiments.tpu_plan`` stops on these with absl's usage message and exit 1,
     before any compilation (no libtpu needed), not with a traceback."""
-    import subprocess
-    import sys
-
-    from _tiny_runs import ROOT, hermetic_env
-    proc = subprocess.run([sys.executable, "-m", "experiments.tpu_plan",
-                           *[a.format(tmp=tmp_path) for a in args]], cwd=ROOT,
-                          env=hermetic_env(tmp_path), capture_output=True, text=True, timeout=120)
+    from _tiny_runs import hermetic_env, run_module
+    proc = run_module(hermetic_env(tmp_path), "experiments.tpu_plan",
+                      *[a.format(tmp=tmp_path) for a in args], timeout=120, check=False)
     assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
