@@ -1,5 +1,7 @@
 """Slice names, chip figures, the compiler's out-of-memory message, compiler options, the roofline
 recount and tpu_plan's flag checks (no libtpu needed)."""
+import re
+
 import pytest
 
 from specjax.aot import chips
@@ -107,7 +109,7 @@ def test_tpu_plan_refuses_bad_flags_with_a_usage_message(tmp_path, args, message
 
 def test_peak_flops_of_tpu_devices_and_none_elsewhere():
     """The training loop's MFU denominator: the chip table's peak per device, summed, for devices
-    whose ``device_kind`` is a listed TPU; ``None`` (no MFU logged) if any device is not."""
+    whose ``device_kind`` is a listed TPU or GPU; ``None`` (no MFU logged) if any device is not."""
     from types import SimpleNamespace
 
     from specjax.training.train_loop import peak_flops
@@ -117,3 +119,25 @@ def test_peak_flops_of_tpu_devices_and_none_elsewhere():
     assert peak_flops([v5e] * 8) == 8 * 197e12
     assert peak_flops([v5e, SimpleNamespace(device_kind="cpu")]) is None
     assert peak_flops([]) is None
+    # GPUs by their exact CUDA names: the SXM H100 and the PCIe card have different peaks, and a
+    # name that is not listed gets no MFU rather than a neighbour's peak
+    h100 = SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3")
+    assert peak_flops([h100] * 8) == 8 * 989e12
+    assert chips.chip_of_device_kind("NVIDIA H100 PCIe").peak_bf16_flops == 756e12
+    assert chips.chip_of_device_kind("NVIDIA H100") is None
+    assert peak_flops([h100, SimpleNamespace(device_kind="NVIDIA H100 PCIe")]) == 989e12 + 756e12
+
+
+def test_gpu_table_in_the_docstring_is_the_gpu_dict():
+    """The module docstring's GPU table (what users read) holds the figures :data:`GPUS` uses, row
+    for row, and no GPU name is also a TPU's ``device_kind``."""
+    rows = [line for line in chips.__doc__.splitlines() if line.startswith("NVIDIA")]
+    assert len(rows) == len(chips.GPUS)
+    for line in rows:  # columns: device_kind, peak TFLOP/s, "N GB/s [(note)]", GiB [(note)]
+        kind, peak, bandwidth, memory = re.split(r"\s{2,}", line)
+        spec = chips.GPUS[kind]
+        assert spec.device_kind == kind
+        assert float(peak) * 1e12 == spec.peak_bf16_flops
+        assert float(bandwidth.split()[0].replace(",", "")) * 1e9 == spec.hbm_bandwidth
+        assert int(memory.split()[0]) * chips.GIB == spec.hbm_bytes
+    assert not set(chips.GPUS) & {c.device_kind for c in chips.CHIPS.values()}

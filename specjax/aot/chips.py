@@ -1,4 +1,5 @@
-"""Per-chip TPU figures for rooflines and HBM budgets, and the product names of slices.
+"""Per-chip TPU figures for rooflines and HBM budgets, the product names of slices, and the peak
+figures of common NVIDIA GPUs (for the training loop's MFU).
 
 Public specification numbers, per chip (Google Cloud TPU documentation, "System architecture"
 pages of TPU v4, v5e, v5p and v6e (Trillium)):
@@ -19,6 +20,28 @@ Slice names. ``v5e-N`` and ``v6e-N`` count chips (one TensorCore each); ``v4-N``
 TensorCores, two per chip, so ``v5p-64`` is 32 chips (topology ``v5p:2x4x4``) and ``v5p-128`` is the
 ``v5p:4x4x4`` cube. :func:`topology_name` maps a product name to the topology string that
 ``jax.experimental.topologies.get_topology_desc`` takes.
+
+GPUs (:data:`GPUS`, keyed by the CUDA device name that ``jax.Device.device_kind`` reports). Dense
+bf16 tensor-core peaks from NVIDIA's A100, H100, H200 and L4 datasheets (which also quote twice
+these figures, with 2:4 structured sparsity); memory in GiB (what the cards' names call GB):
+
+=======================  =====================  ==================  ====================
+``device_kind``          peak bf16 (TFLOP/s)    memory bandwidth    memory (GiB)
+=======================  =====================  ==================  ====================
+NVIDIA A100-SXM4-40GB    312                    1,555 GB/s          40
+NVIDIA A100-PCIE-40GB    312                    1,555 GB/s          40
+NVIDIA A100-SXM4-80GB    312                    2,039 GB/s          80
+NVIDIA A100 80GB PCIe    312                    1,935 GB/s          80
+NVIDIA H100 80GB HBM3    989                    3,350 GB/s          80 (the SXM5 card)
+NVIDIA H100 PCIe         756                    2,000 GB/s          80
+NVIDIA H100 NVL          835                    3,900 GB/s          94
+NVIDIA H200              989                    4,800 GB/s          141 (the SXM card)
+NVIDIA L4                121                    300 GB/s (GDDR6)    24
+=======================  =====================  ==================  ====================
+
+Only the exact names match: another card (or a name a driver spells differently) gets no MFU,
+never a neighbour's peak. The AOT pre-flight compiles for TPUs only; these rows serve
+:func:`chip_of_device_kind`.
 """
 from __future__ import annotations
 
@@ -32,9 +55,9 @@ GIB = 2**30
 
 @dataclasses.dataclass(frozen=True)
 class ChipSpec:
-    """One TPU chip generation.
+    """One accelerator chip: a TPU generation or a GPU model.
 
-    name: "v5e", ...; device_kind: what ``jax.Device.device_kind`` says for it.
+    name: "v5e", "H100 SXM", ...; device_kind: what ``jax.Device.device_kind`` says for it.
     peak_bf16_flops: FLOP/s; hbm_bandwidth: bytes/s; hbm_bytes: bytes (all per chip).
     """
 
@@ -51,6 +74,20 @@ CHIPS: dict[str, ChipSpec] = {
     "v5p": ChipSpec("v5p", "TPU v5", 459e12, 2765e9, 95 * GIB),
     "v6e": ChipSpec("v6e", "TPU v6 lite", 918e12, 1640e9, 32 * GIB),
 }
+
+#: NVIDIA GPUs by ``device_kind`` (module docstring). Not topologies: :func:`chip_of` and
+#: :func:`topology_name` take TPU names only.
+GPUS: dict[str, ChipSpec] = {c.device_kind: c for c in (
+    ChipSpec("A100 SXM 40GB", "NVIDIA A100-SXM4-40GB", 312e12, 1555e9, 40 * GIB),
+    ChipSpec("A100 PCIe 40GB", "NVIDIA A100-PCIE-40GB", 312e12, 1555e9, 40 * GIB),
+    ChipSpec("A100 SXM 80GB", "NVIDIA A100-SXM4-80GB", 312e12, 2039e9, 80 * GIB),
+    ChipSpec("A100 PCIe 80GB", "NVIDIA A100 80GB PCIe", 312e12, 1935e9, 80 * GIB),
+    ChipSpec("H100 SXM", "NVIDIA H100 80GB HBM3", 989e12, 3350e9, 80 * GIB),
+    ChipSpec("H100 PCIe", "NVIDIA H100 PCIe", 756e12, 2000e9, 80 * GIB),
+    ChipSpec("H100 NVL", "NVIDIA H100 NVL", 835e12, 3900e9, 94 * GIB),
+    ChipSpec("H200", "NVIDIA H200", 989e12, 4800e9, 141 * GIB),
+    ChipSpec("L4", "NVIDIA L4", 121e12, 300e9, 24 * GIB),
+)}
 
 #: Rows of one bf16 tile in TPU memory (8 sublanes of two packed rows; f32 tiles are 8 x 128).
 BF16_TILE_ROWS = 16
@@ -111,8 +148,10 @@ def topology_name(name: str) -> str:
 
 def chip_of_device_kind(kind: str) -> Optional[ChipSpec]:
     """The :class:`ChipSpec` whose ``device_kind`` is ``kind`` (``jax.Device.device_kind``, e.g.
-    "TPU v5 lite"); ``None`` for any other device (a CPU, a GPU, a TPU generation not listed)."""
-    return next((c for c in CHIPS.values() if c.device_kind == kind), None)
+    "TPU v5 lite" or "NVIDIA H100 80GB HBM3"); ``None`` for any other device (a CPU, a TPU
+    generation or GPU model not listed)."""
+    tpu = next((c for c in CHIPS.values() if c.device_kind == kind), None)
+    return tpu if tpu is not None else GPUS.get(kind)
 
 
 def chip_of(topology: str) -> ChipSpec:

@@ -103,9 +103,10 @@ def train_loop(trainer: Trainer, train_iter: inputs_lib.BatchIterator,
 
 
 def peak_flops(devices) -> Optional[float]:
-    """Peak bf16 FLOP/s of ``devices`` together, from the TPU chip table
-    (:data:`specjax.aot.chips.CHIPS`, one device per chip as a TPU VM's JAX shows them); ``None``
-    unless every device is a listed TPU (the MFU is then not logged)."""
+    """Peak bf16 FLOP/s of ``devices`` together, from the chip tables of
+    :mod:`specjax.aot.chips` (TPUs, one device per chip as a TPU VM's JAX shows them, and the
+    NVIDIA GPUs of :data:`~specjax.aot.chips.GPUS`); ``None`` unless every device is listed (the
+    MFU is then not logged)."""
     from specjax.aot.chips import chip_of_device_kind  # the package pulls in the AOT code
     chips = [chip_of_device_kind(d.device_kind) for d in devices]
     if not chips or None in chips:
