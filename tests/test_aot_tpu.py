@@ -6,6 +6,9 @@ too large for the chip must come back as "does not fit" with the compiler's numb
 
 Needs libtpu (``make test`` installs it into ``.venv/libtpu``); without it these tests skip.
 """
+import os
+
+import jax
 import pytest
 
 from specjax import aot
@@ -108,6 +111,41 @@ def test_engine_device_steps_compile_tensor_parallel():
     for p in programs:
         r = _compile(p, mesh)
         assert r.fits and r.mesh["tensor"] == 4
+
+
+@pytest.mark.parametrize("variant", ["mtp_e2e_tv", "dspark_markov", "dspark_rnn", "dflash",
+                                     "draft_lm"])
+def test_engine_steps_compile_at_their_model_flops(variant):
+    """The serving pre-flight's model FLOPs (``aot.engine_flops``: the target's forward over the
+    tokens a step feeds, its LM head where logits are used, and each drafter's
+    ``propose_flops`` / ``prefill_flops`` / ``commit_flops``) equal the matmuls of the compiled
+    draft, verification and prefill steps, counted from their HLO.
+
+    The shapes make the comparison exact: ``max_len`` 128 is a single attention window
+    (``MIN_WINDOW``), so the compiled attention reads ``flops_context`` = 128 positions; the
+    bucket of 16 tokens is every slot's γ + 1 (no padding of the ``[slots, γ+1]`` grid). Two
+    things the HLO count does not see: the DSpark confidence head's matrix-vector product (run as
+    a multiply and a reduce; under 0.1 % here), and the attention of a single query, which TPU
+    also compiles without a dot: the draft LM's γ − 1 one-token steps, taken off below."""
+    from experiments.configs.train_drafter import get_config
+    from specjax.models import get_preset
+    from specjax.models.flops import attention_flops_per_query
+    from specjax.training.drafter_build import build_drafter
+    task = get_config(f"{variant},tiny").task
+    target = get_preset("tiny", num_kv_heads=4)
+    mesh = aot.topology_mesh(TOPOLOGY, {"data": 1, "fsdp": 1, "tensor": -1})
+    slots, gamma, ctx = 4, 3, 128
+    shapes = aot.EngineShapes(num_slots=slots, max_len=128, gamma=gamma, buckets=(16,),
+                              prefill_chunk=16, loop_steps=0, flops_context=ctx)
+    unseen = 0.0
+    if variant == "draft_lm":
+        draft_model = build_drafter(task, target)[0].config
+        unseen = slots * (gamma - 1) * attention_flops_per_query(draft_model, ctx)
+    for p in aot.engine_steps(target, task, mesh, shapes):
+        r = _compile(p, mesh)
+        matmuls = r.notes["loops"]["matmul_flops"]
+        expected = r.model_flops - (unseen / r.num_devices if p.name == "engine.draft" else 0)
+        assert expected == pytest.approx(matmuls, rel=0.002), p.name
 
 
 @pytest.mark.parametrize("batch,gamma,vocab", [(256, 8, 151936), (64, 8, 32000), (32, 4, 151936),
@@ -399,6 +437,35 @@ def test_tpu_plan_recounts_a_tables_model_flops_without_compiling(tmp_path):
     proc = run_module(env, "experiments.tpu_plan", "--table", "--recount_model_flops", "--out",
                       out, timeout=300, check=False)
     assert proc.returncode != 0 and "compile the table again" in proc.stderr
+
+
+def test_in_process_tpu_compiles_leave_the_persistent_cache_alone():
+    """In a process whose persistent compilation cache is on (this test worker's, like a
+    notebook's), compiling the same TPU program twice neither writes it to the cache nor warns on
+    the second compile that the entry cannot be read back (``compile_report`` compiles under
+    ``aot.no_persistent_cache_writes``); the cache's own write threshold is restored after."""
+    import warnings
+
+    from experiments.configs.train_drafter import get_config
+    from specjax.models import get_preset
+    cache_dir = jax.config.jax_compilation_cache_dir
+    assert cache_dir  # the worker's cache (conftest), the setting this test is about
+    threshold = jax.config.jax_persistent_cache_min_compile_time_secs
+    task = get_config("mtp_e2e_tv,tiny").task
+    mesh = aot.topology_mesh(TOPOLOGY, {"data": 1, "fsdp": 1, "tensor": -1})
+    shapes = aot.EngineShapes(num_slots=4, max_len=128, gamma=3, buckets=(16,),
+                              prefill_chunk=16, loop_steps=0)
+    before = set(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else set()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # the same program built and compiled again, past JAX's memory
+            jax.clear_caches()
+            draft = aot.engine_steps(get_preset("tiny", num_kv_heads=4), task, mesh, shapes)[0]
+            assert _compile(draft, mesh).name == "engine.draft"
+    assert not [w for w in caught if "persistent compilation cache" in str(w.message)]
+    after = set(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else set()
+    assert not {f for f in after - before if "draft_step" in f}, after - before
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == threshold
 
 
 def test_tpu_plan_compiles_one_kind_of_engine_step(tmp_path):

@@ -9,18 +9,21 @@ rejection sampler) from abstract sharded inputs.
 from specjax.aot.chips import CHIPS, ChipSpec, chip_of, num_chips, topology_name
 from specjax.aot.compile import (HBM_BUDGET, ProgramReport, compile_report, count_copies,
                                  parse_oom, recount_model_flops, topology_devices, topology_mesh)
-from specjax.aot.env import LibtpuMissing, ensure_libtpu, libtpu_path, without_persistent_cache
+from specjax.aot.env import (LibtpuMissing, ensure_libtpu, libtpu_path, no_persistent_cache_writes,
+                             without_persistent_cache)
 from specjax.aot.peak import format_breakdown, peak_breakdown
-from specjax.aot.programs import (EngineShapes, Program, engine_steps, rejection_kernel,
-                                  train_step)
+from specjax.aot.programs import (EngineFlops, EngineShapes, Program, engine_flops, engine_steps,
+                                  rejection_kernel, train_step)
 
 __all__ = [
     "CHIPS", "ChipSpec", "chip_of", "num_chips", "topology_name", "HBM_BUDGET", "ProgramReport",
     "compile_report", "count_copies", "parse_oom", "recount_model_flops", "topology_devices",
     "topology_mesh",
-    "LibtpuMissing", "ensure_libtpu", "libtpu_path", "without_persistent_cache",
+    "LibtpuMissing", "ensure_libtpu", "libtpu_path", "no_persistent_cache_writes",
+    "without_persistent_cache",
     "format_breakdown", "peak_breakdown",
-    "EngineShapes", "Program", "engine_steps", "rejection_kernel", "train_step",
+    "EngineFlops", "EngineShapes", "Program", "engine_flops", "engine_steps", "rejection_kernel",
+    "train_step",
 ]
 
 

@@ -51,7 +51,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from specjax.aot import chips as chips_lib
 from specjax.aot import hlo_loops
 from specjax.aot import peak as peak_lib
-from specjax.aot.env import ensure_libtpu
+from specjax.aot.env import ensure_libtpu, no_persistent_cache_writes
 from specjax.training import sharding as sharding_lib
 
 HBM_BUDGET = 0.90  # a program "fits" when it needs at most this fraction of a device's HBM
@@ -210,7 +210,7 @@ def compile_report(name: str, lower: Callable[[], Any], mesh: Mesh, topology: st
     if dump is not None:
         options["xla_dump_to"] = dump.name
     try:
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh), no_persistent_cache_writes():
             lowered = lower()
             compiled = lowered.compile(options) if options else lowered.compile()
     except Exception as e:  # noqa: BLE001 - only the compiler's OOM is a result, re-raised else

@@ -16,6 +16,7 @@ Search order for the library: ``$TPU_LIBRARY_PATH``, ``$SPECJAX_LIBTPU``, then
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Optional
@@ -77,3 +78,24 @@ def without_persistent_cache() -> None:
     its first compilation, so it must come before any."""
     import jax
     jax.config.update("jax_enable_compilation_cache", False)
+
+
+@contextlib.contextmanager
+def no_persistent_cache_writes():
+    """Within this context, JAX writes no compiled program into its persistent compilation cache.
+
+    :func:`without_persistent_cache` must run before a process's first compilation; code that
+    compiles TPU programs in a process already using the cache (a notebook, a test worker) gets
+    this instead, around each TPU compilation (:func:`specjax.aot.compile_report`): an executable
+    for a TPU topology cannot be loaded back on a machine without a TPU, so a cached one only makes
+    the next compilation of the same program warn ("Error reading persistent compilation cache
+    entry") and compile again. Reads still happen and find nothing; other programs are cached as
+    before. Raises the minimum compile time for a write to infinity and restores it after."""
+    import jax
+    name = "jax_persistent_cache_min_compile_time_secs"
+    before = getattr(jax.config, name)
+    jax.config.update(name, float("inf"))
+    try:
+        yield
+    finally:
+        jax.config.update(name, before)

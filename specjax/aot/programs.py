@@ -28,7 +28,7 @@ from specjax.aot.chips import fsdp_tile_warning
 from specjax.aot.compile import abstract, replicated_like
 from specjax.models import ModelConfig, Transformer
 from specjax.models import partitioning
-from specjax.models.flops import forward_flops_per_token
+from specjax.models.flops import forward_flops_per_token, lm_head_flops_per_row
 from specjax.training import sharding as sharding_lib
 
 
@@ -104,6 +104,9 @@ class EngineShapes:
     loop's order: a read-only forward, then all the writes after it; the step without the loop's
     bucket switch around it). The two can compile very differently (docs/TPU.md, "The tenfold
     jump").
+    flops_context: the cached positions each query attends to in the programs' model FLOPs
+    (default ``max_len // 2``, a half-full cache; the compiled attention reads the window bucket
+    that holds the context, so its FLOPs depend on the data).
     """
 
     num_slots: int = 8
@@ -114,11 +117,58 @@ class EngineShapes:
     loop_steps: int = 16
     loop_policy: str = "production"
     verify_order: str = "host"
+    flops_context: Optional[int] = None
 
     def __post_init__(self):
         if self.verify_order not in VERIFY_ORDERS:
             raise ValueError(f"verify_order must be one of {VERIFY_ORDERS}, got "
                              f"{self.verify_order!r}")
+        if self.flops_context is not None and not 0 < self.flops_context <= self.max_len:
+            raise ValueError(f"flops_context must be in 1..max_len={self.max_len}, got "
+                             f"{self.flops_context}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFlops:
+    """Model FLOPs of the engine's programs (all slots together), at ``context`` cached positions
+    per query: the target's forward over the tokens a program feeds, its LM head only where the
+    logits are used, plus the drafter's own counts (``propose_flops``, ``prefill_flops``,
+    ``commit_flops`` of :mod:`specjax.drafters`). ``None`` where the drafter has no count."""
+
+    draft: Optional[float]
+    verify: dict  # bucket N -> FLOPs of verifying N flat tokens (the drafter commits as many)
+    prefill: Optional[float]
+
+    def loop_step(self, bucket: int) -> Optional[float]:
+        """One draft-verify step of the device loop at token bucket ``bucket``."""
+        if self.draft is None or self.verify.get(bucket) is None:
+            return None
+        return self.draft + self.verify[bucket]
+
+
+def engine_flops(target_config: ModelConfig, drafter, shapes: EngineShapes) -> EngineFlops:
+    """The engine programs' model FLOPs (:class:`EngineFlops`) for ``shapes``.
+
+    Per slot, a draft step is the drafter's ``propose``; verifying N tokens runs the target over
+    them (the LM head at each: every row's logits are verified) and the drafter's ``commit`` over
+    them; a prefill chunk runs the target's blocks over the chunk, its LM head at one position
+    (the first new token's) and the drafter's ``prefill``. Padding the programs compute past the
+    real tokens (attention over the ``[slots, K+1]`` grid at a small bucket, the drafter's commit
+    over every grid row) is not model work and is not counted."""
+    s, c, gamma = shapes.num_slots, shapes.prefill_chunk, shapes.gamma
+    ctx = shapes.max_len // 2 if shapes.flops_context is None else shapes.flops_context
+    head = lm_head_flops_per_row(target_config)
+    token = forward_flops_per_token(target_config, ctx)
+    counts = [getattr(drafter, f, None) for f in ("propose_flops", "prefill_flops",
+                                                  "commit_flops")]
+    propose, prefill, commit = counts
+    verify = {n: (None if commit is None else n * token + commit(n, ctx, gamma))
+              for n in shapes.buckets}
+    return EngineFlops(
+        draft=None if propose is None else float(s * propose(ctx, gamma)),
+        verify={n: (None if v is None else float(v)) for n, v in verify.items()},
+        prefill=None if prefill is None else float(
+            s * c * (token - head) + s * head + prefill(s, c, ctx, gamma)))
 
 
 def _engine_device_fns():
@@ -189,17 +239,17 @@ def engine_steps(target_config: ModelConfig, task_config: ml_collections.ConfigD
     v = target_config.vocab_size
 
     common = {"slots": s, "max_len": max_len, "gamma": gamma, "model": "target"}
+    flops = engine_flops(target_config, drafter, shapes)
     programs = [Program(
-        name="engine.draft", shapes=dict(common),
+        name="engine.draft", shapes=dict(common), model_flops=flops.draft,
         lower=lambda: draft_fn.lower(drafter, d_abs, frozen, dstate, key, sampling, gamma=gamma,
                                      argmax=False))]
-    ctx = max_len // 2  # attention FLOPs at a half-full cache
     during = shapes.verify_order == "host"
     for bucket in shapes.buckets:
         programs.append(Program(
             name=f"engine.verify[N={bucket}]" if during else f"engine.verify[N={bucket},loop]",
             shapes=dict(common, bucket=bucket, verify_order=shapes.verify_order),
-            model_flops=float(forward_flops_per_token(target_config, ctx) * bucket),
+            model_flops=flops.verify[bucket],
             lower=lambda bucket=bucket: verify_fn.lower(
                 graphdef, t_abs, drafter, d_abs, frozen, state_abs,
                 rep((s, gamma), jnp.int32), rep((s, gamma, v), jnp.float32),
@@ -208,14 +258,15 @@ def engine_steps(target_config: ModelConfig, task_config: ml_collections.ConfigD
     c = shapes.prefill_chunk
     programs.append(Program(
         name=f"engine.prefill[C={c}]", shapes=dict(common, chunk=c),
-        model_flops=float(forward_flops_per_token(target_config, ctx) * s * c),
+        model_flops=flops.prefill,
         lower=lambda: prefill_fn.lower(
             graphdef, t_abs, drafter, d_abs, frozen, state_abs, rep((s, c), jnp.int32),
             rep((s,), jnp.int32), rep((s,), jnp.bool_), rep((s,), jnp.int32),
             rep((s,), jnp.bool_), keys, sampling, max_len=max_len, gamma=gamma)))
     if shapes.loop_steps:
         programs.append(_loop_program(shapes, graphdef, t_abs, drafter, d_abs, frozen, state_abs,
-                                      sampling, key, rep, mesh, common))
+                                      sampling, key, rep, mesh, common,
+                                      flops.loop_step(max(shapes.buckets))))
     # The slots are replicated over the mesh's data axis (independent engine replicas): no batch
     # constraint may split them (specjax.models.partitioning).
     tp = mesh.shape.get("tensor", 1)  # KV heads split over it, or replicated if indivisible
@@ -234,12 +285,13 @@ def _unconstrained(lower: Callable[[], Any]) -> Callable[[], Any]:
 
 
 def _loop_program(shapes: EngineShapes, graphdef, t_abs, drafter, d_abs, frozen, state_abs,
-                  sampling, key, rep, mesh, common) -> Program:
+                  sampling, key, rep, mesh, common, step_flops) -> Program:
     """The device loop (``loop_steps`` draft-verify steps per call under ``loop_policy``) on the
     same sharded state as the single steps; its small carry fields are replicated.
 
     XLA's cost analysis counts a loop body once, so the report's FLOPs and bytes are those of one
-    step of the loop (``loop_multiplier`` stays 1: the trip count depends on the data)."""
+    step of the loop (``loop_multiplier`` stays 1: the trip count depends on the data), and its
+    model FLOPs ``step_flops`` are one draft-verify step at the largest token bucket."""
     run_loop, loop_spec, init_state = _engine_loop()
     s, gamma = shapes.num_slots, shapes.gamma
     spec = loop_spec(policy=shapes.loop_policy, gamma=gamma, buckets=tuple(shapes.buckets),
@@ -250,6 +302,7 @@ def _loop_program(shapes: EngineShapes, graphdef, t_abs, drafter, d_abs, frozen,
     b_max = max(shapes.buckets)
     return Program(
         name=f"engine.loop[{shapes.loop_policy}, {shapes.loop_steps} steps]",
+        model_flops=step_flops,
         shapes=dict(common, policy=shapes.loop_policy, loop_steps=shapes.loop_steps,
                     buckets=list(shapes.buckets)),
         lower=lambda: run_loop.lower(

@@ -22,6 +22,10 @@ so it is passed to ``jax.jit`` as a *static* argument)::
                                 anchors=None)                          # -> TeacherForced (training)
     drafter.train_flops(seq, anchors, gamma)  # model FLOPs of one training row (trainable
                                               # drafters; the drafter task adds the target's)
+    drafter.propose_flops(context, gamma)     # forward FLOPs of one row's propose, attending to
+                                              # `context` cached positions
+    drafter.prefill_flops(rows, chunk, context, gamma)  # of prefill over rows x chunk positions
+    drafter.commit_flops(tokens, context, gamma)        # of commit over `tokens` positions
 
 * ``DraftOutput(tokens int32 [B, γ], probs f32 [B, γ, V], confidences f32 [B, γ] | None)``.
   ``tokens[:, k]`` is drawn from exactly ``probs[:, k]`` (``specjax.sampling.logits_to_probs`` with

@@ -25,7 +25,8 @@ from flax import nnx
 from specjax.drafters.base import (DraftOutput, Observation, Sampling, TeacherForced,
                                    default_anchors, draw, gather_positions)
 from specjax.models.config import ModelConfig
-from specjax.models.flops import forward_flops_per_token
+from specjax.models.flops import (attention_flops_per_query, block_matmul_params,
+                                  forward_flops_per_token, lm_head_flops_per_row)
 from specjax.models.kv_cache import KVCache, init_cache
 from specjax.models.transformer import Transformer, apply
 
@@ -120,6 +121,31 @@ class DraftLMDrafter:
         pending = jnp.stack([first, second], axis=1).astype(jnp.int32)
         return DraftLMState(cache=state.cache.rollback(length), pending=pending,
                             num_pending=jnp.clip(num, 1, 2).astype(jnp.int32))
+
+    # -- model FLOPs ----------------------------------------------------------------------------
+    def propose_flops(self, context: int, gamma: int, max_verify: Optional[int] = None) -> float:
+        """Forward FLOPs of one row's :meth:`propose`: the draft model over the two pending slots
+        and then γ − 1 single tokens (γ + 1 positions attending to ``context`` cached ones), its LM
+        head at γ of them (one per draft)."""
+        del max_verify
+        head = lm_head_flops_per_row(self.config)
+        return (gamma + 1) * (forward_flops_per_token(self.config, context) - head) + gamma * head
+
+    def prefill_flops(self, rows: int, chunk: int, context: int, gamma: int) -> float:
+        """Forward FLOPs of :meth:`prefill` of ``rows`` prompt chunks of ``chunk`` tokens. Only
+        the cache is kept: every block but the last in full, of the last only its keys and
+        values, and no LM head (what nothing reads is not computed)."""
+        del gamma
+        c = self.config
+        last = c.replace(num_layers=1)
+        full = (forward_flops_per_token(c, context) - lm_head_flops_per_row(c)
+                - 2 * block_matmul_params(last) - attention_flops_per_query(last, context))
+        return rows * chunk * (full + 2 * 2 * c.hidden_size * c.num_kv_heads * c.head_dim)
+
+    def commit_flops(self, tokens: int, context: int, gamma: int) -> float:
+        """:meth:`commit` rolls the cache back by lengths: no matmul."""
+        del tokens, context, gamma
+        return 0.0
 
     # -- training --------------------------------------------------------------------------------
     def train_flops(self, seq: int, anchors: int, gamma: int) -> float:

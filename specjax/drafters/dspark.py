@@ -313,6 +313,46 @@ class DSparkDrafter:
                           confidences=jnp.moveaxis(conf, 0, 1) if self.config.confidence else None)
         return out, state
 
+    # -- model FLOPs ----------------------------------------------------------------------------
+    def _sequential_flops(self) -> float:
+        """Forward FLOPs of one sequential-head step (``W2``, the RNN cell, the confidence head;
+        ``W1`` is a lookup)."""
+        c, r = self._block_config(), self.config.rank
+        v = self.target_config.vocab_size
+        out = 0.0
+        if self.config.head == "rnn":
+            out += 2 * (2 * r + c.hidden_size) * 3 * r
+        if self.config.head != "none":
+            out += 2 * r * v
+        if self.config.confidence:
+            out += 2 * (c.hidden_size + r)
+        return out
+
+    def propose_flops(self, context: int, gamma: int, max_verify: Optional[int] = None) -> float:
+        """Forward FLOPs of one row's :meth:`propose`: the backbone over the γ block tokens, each
+        attending to ``context`` context positions plus the block, γ rows of the shared LM head
+        and γ sequential-head steps."""
+        del max_verify
+        c = self._block_config()
+        v, d = self.target_config.vocab_size, c.hidden_size
+        backbone = 2 * c.num_layers * block_matmul_params(c) + \
+            attention_flops_per_query(c, context + gamma)
+        return gamma * (backbone + 2 * v * d + self._sequential_flops())
+
+    def commit_flops(self, tokens: int, context: int, gamma: int) -> float:
+        """Forward FLOPs of :meth:`commit` over ``tokens`` observed positions: the context features (``m d -> d``) and each backbone
+        layer's context keys and values (no attention)."""
+        del context, gamma
+        c = self._block_config()
+        d = c.hidden_size
+        per_position = 2 * len(self.config.target_layers) * d * d + \
+            2 * c.num_layers * d * c.head_dim * 2 * c.num_kv_heads
+        return tokens * per_position
+
+    def prefill_flops(self, rows: int, chunk: int, context: int, gamma: int) -> float:
+        """:meth:`prefill` is :meth:`commit` over the ``rows x chunk`` prompt positions."""
+        return self.commit_flops(rows * chunk, context, gamma)
+
     # -- training --------------------------------------------------------------------------------
     def train_flops(self, seq: int, anchors: int, gamma: int) -> float:
         """Model FLOPs of one training row of ``seq`` tokens (:meth:`teacher_forced`, forward and

@@ -280,6 +280,39 @@ class MTPDrafter:
                           confidences=None)
         return out, dataclasses.replace(state, k=tuple(ks), v=tuple(vs))
 
+    # -- model FLOPs ----------------------------------------------------------------------------
+    def _depth_flops(self, context: int, *, cache_only: bool = False) -> float:
+        """Forward FLOPs of one chain depth at one position: the ``2d -> d`` projection and the
+        block, attending to ``context`` positions of that depth's cache; ``cache_only``: the
+        projection and the block's keys / values alone (what a depth whose output is unused must
+        still compute for its cache)."""
+        c = self.config.block_config(self.target_config)
+        d = c.hidden_size
+        if cache_only:
+            return 2 * (2 * d * d + 2 * d * c.num_kv_heads * c.head_dim)
+        return 2 * (2 * d * d + block_matmul_params(c)) + attention_flops_per_query(c, context)
+
+    def propose_flops(self, context: int, gamma: int, max_verify: Optional[int] = None) -> float:
+        """Forward FLOPs of one row's :meth:`propose`: every depth recomputes the window of
+        ``W = γ + max_verify`` positions (:meth:`init_state`), attending to ``context`` cached
+        positions, and runs the shared LM head at its last position."""
+        w = gamma + (gamma if max_verify is None else max_verify)
+        head = 2 * self.target_config.vocab_size * self.target_config.hidden_size
+        return gamma * (w * self._depth_flops(context) + head)
+
+    def prefill_flops(self, rows: int, chunk: int, context: int, gamma: int) -> float:
+        """Forward FLOPs of :meth:`prefill` of ``rows`` prompt chunks of ``chunk`` tokens: each
+        depth's projection and block at every position, but of the last depth, whose output
+        nothing reads, only what its cache needs (no LM head anywhere)."""
+        per_position = (gamma - 1) * self._depth_flops(context) + \
+            self._depth_flops(context, cache_only=True)
+        return rows * chunk * per_position
+
+    def commit_flops(self, tokens: int, context: int, gamma: int) -> float:
+        """:meth:`commit` only moves buffers: no matmul."""
+        del tokens, context, gamma
+        return 0.0
+
     # -- training --------------------------------------------------------------------------------
     def train_flops(self, seq: int, anchors: int, gamma: int) -> float:
         """Model FLOPs of one training row of ``seq`` tokens (:meth:`teacher_forced`, forward and

@@ -56,6 +56,16 @@ class NGramDrafter:
         return NGramState(history=jnp.zeros((batch, max_len), jnp.int32),
                           num_emitted=jnp.zeros((batch,), jnp.int32))
 
+    # Model FLOPs: a lookup, no matmul anywhere.
+    def propose_flops(self, context: int, gamma: int, max_verify: Optional[int] = None) -> float:
+        return 0.0
+
+    def prefill_flops(self, rows: int, chunk: int, context: int, gamma: int) -> float:
+        return 0.0
+
+    def commit_flops(self, tokens: int, context: int, gamma: int) -> float:
+        return 0.0
+
     def commit(self, params, frozen, state: NGramState, obs: Observation) -> NGramState:
         del params, frozen
         b, t = obs.tokens.shape

@@ -7,6 +7,10 @@ head is. Attention is counted over the whole context a query is scored against (
 half of a causal score matrix is computed too). Norms, softmax and element-wise work are left
 out, as in the paper.
 
+The serving engine's programs are counted from them too: the target's forward over the tokens a
+step feeds (its LM head only at the rows whose logits are used) plus each drafter's own
+``propose_flops`` / ``prefill_flops`` / ``commit_flops`` (:mod:`specjax.aot.programs`).
+
 The training tasks count a step from these (``model_flops_per_row`` of
 :mod:`specjax.training.lm_task` and :mod:`specjax.training.drafter_task`, the latter with each
 drafter's own ``train_flops``); the trainer logs model TFLOP/s and MFU with them and the
@@ -17,7 +21,7 @@ from __future__ import annotations
 from specjax.models.config import ModelConfig
 
 __all__ = ["block_matmul_params", "matmul_params", "attention_flops_per_query",
-           "forward_flops_per_token"]
+           "forward_flops_per_token", "lm_head_flops_per_row"]
 
 
 def block_matmul_params(c: ModelConfig) -> int:
@@ -42,3 +46,8 @@ def attention_flops_per_query(c: ModelConfig, context: int) -> float:
 def forward_flops_per_token(c: ModelConfig, context: int) -> float:
     """Forward FLOPs of one token attending to ``context`` positions."""
     return 2 * matmul_params(c) + attention_flops_per_query(c, context)
+
+
+def lm_head_flops_per_row(c: ModelConfig) -> float:
+    """Forward FLOPs of the LM head at one position: ``2 V d``."""
+    return 2 * c.vocab_size * c.hidden_size
