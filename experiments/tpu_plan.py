@@ -67,6 +67,9 @@ _RECOUNT = flags.DEFINE_bool(
     "rows of --out/table.json again from the current formulas, without compiling.")
 _SLOTS = flags.DEFINE_integer("engine_slots", 64, "Engine slots S.")
 _MAX_LEN = flags.DEFINE_integer("engine_max_len", 4096, "Engine cache length per slot.")
+_FLOPS_CONTEXT = flags.DEFINE_integer(
+    "engine_flops_context", 0, "Cached positions each query attends to in the engine programs' "
+    "model FLOPs (MFU); 0: half of --engine_max_len.")
 _EXPLAIN = flags.DEFINE_bool("explain_memory", False, "Report what is alive at each program's "
                              "memory peak (from a dump of the compilation; a few seconds more).")
 _XLA_OPTIONS = flags.DEFINE_multi_string(
@@ -177,8 +180,11 @@ def _train_reports(config, topology: str, fit: bool, tries: int, compile_kw: dic
 
 
 def plan(config, topology: str, programs, *, fit=False, tries=2, slots=64, max_len=4096,
-         buckets=None, explain=False, xla_options=None) -> list:
+         buckets=None, explain=False, xla_options=None, flops_context=None) -> list:
     """Compiles the requested programs of ``config`` for ``topology``; returns report dicts.
+
+    ``flops_context``: the engine programs' model FLOPs attend to this many cached positions
+    (``EngineShapes.flops_context``; None: half of ``max_len``).
 
     ``explain``: also report what is alive at each program's memory peak (``--explain_memory``);
     ``xla_options``: compiler options for every program (``--xla_option``).
@@ -200,7 +206,7 @@ def plan(config, topology: str, programs, *, fit=False, tries=2, slots=64, max_l
         gamma = config.task.gamma
         shapes = aot.EngineShapes(num_slots=slots, max_len=max_len, gamma=gamma,
                                   buckets=tuple(buckets or (slots, slots * (gamma + 1))),
-                                  prefill_chunk=256)
+                                  prefill_chunk=256, flops_context=flops_context)
         for p in aot.engine_steps(target, config.task, mesh, shapes):
             # "engine": every device step; "engine.prefill" (.draft, .verify, .loop): those only
             if "engine" not in engine and p.name.split("[")[0] not in engine:
@@ -322,11 +328,15 @@ def main(argv) -> None:
             bad = set(_PROGRAMS.value) - {"train", "engine", "rejection", *ENGINE_STEPS}
             if bad:
                 raise app.UsageError(f"unknown --programs {sorted(bad)}")
+            if not 0 <= _FLOPS_CONTEXT.value <= _MAX_LEN.value:
+                raise app.UsageError(f"--engine_flops_context must be in 0..--engine_max_len "
+                                     f"({_MAX_LEN.value}), got {_FLOPS_CONTEXT.value}")
             rows = plan(_CONFIG.value, _TOPOLOGY.value, _PROGRAMS.value, fit=_FIT.value,
                         tries=_FIT_TRIES.value, slots=_SLOTS.value, max_len=_MAX_LEN.value,
                         buckets=[int(b) for b in _BUCKETS.value] or None,
                         explain=_EXPLAIN.value,
-                        xla_options=xla_options)
+                        xla_options=xla_options,
+                        flops_context=_FLOPS_CONTEXT.value or None)
             stem = "plan"
     except LibtpuMissing as e:
         print(f"error: {e}", file=sys.stderr)

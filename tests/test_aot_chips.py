@@ -97,6 +97,9 @@ def test_recount_model_flops_derives_the_roofline_again_by_hand():
     (["--table", "--recount_model_flops", "--out", "{tmp}"], "no table.json in --out"),
     (["--config", "experiments/configs/train_drafter.py:mtp_e2e_tv,tiny", "--topology", "v9-8"],
      "--topology: unknown TPU slice 'v9-8'"),
+    (["--config", "experiments/configs/train_drafter.py:mtp_e2e_tv,tiny", "--topology", "v5e:2x2",
+      "--engine_max_len", "256", "--engine_flops_context", "512"],
+     "--engine_flops_context must be in 0..--engine_max_len (256), got 512"),
 ])
 def test_tpu_plan_refuses_bad_flags_with_a_usage_message(tmp_path, args, message):
     """``python -m experiments.tpu_plan`` stops on these with absl's usage message and exit 1,

@@ -471,7 +471,8 @@ def test_in_process_tpu_compiles_leave_the_persistent_cache_alone():
 def test_tpu_plan_compiles_one_kind_of_engine_step(tmp_path):
     """``python -m experiments.tpu_plan --programs engine.prefill`` compiles the engine's prefill
     step alone (``engine`` would compile the draft, each verification bucket and the device loop
-    too), here with ``--explain_memory`` and an ``--xla_option``, and leaves a configured
+    too), here with ``--explain_memory``, an ``--xla_option`` and ``--engine_flops_context``, and
+    leaves a configured
     persistent compilation cache empty. A subprocess: the entry point's
     absl flags (``--config``) must not meet another entry point's in this test process."""
     import json
@@ -486,9 +487,19 @@ def test_tpu_plan_compiles_one_kind_of_engine_step(tmp_path):
     run_module(env, "experiments.tpu_plan",
                "--config", "experiments/configs/train_drafter.py:mtp_e2e_tv,tiny",
                "--topology", TOPOLOGY, "--programs", "engine.prefill", "--engine_slots", 4,
-               "--engine_max_len", 256, "--out", tmp_path / "plan", "--explain_memory",
-               "--xla_option", "xla_tpu_enable_latency_hiding_scheduler=false")
+               "--engine_max_len", 256, "--engine_flops_context", 100, "--out", tmp_path / "plan",
+               "--explain_memory", "--xla_option", "xla_tpu_enable_latency_hiding_scheduler=false")
     rows = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    # its model FLOPs are the engine count at the context asked for, shared by the devices
+    from experiments.configs.train_drafter import get_config
+    from specjax.training.drafter_build import build_drafter
+    from specjax.training.lm_task import model_config_from
+    c = get_config("mtp_e2e_tv,tiny")
+    target = model_config_from(c)
+    shapes = aot.EngineShapes(num_slots=4, max_len=256, gamma=c.task.gamma, buckets=(4,),
+                              prefill_chunk=256, flops_context=100)
+    expected = aot.engine_flops(target, build_drafter(c.task, target)[0], shapes).prefill
+    assert rows[0]["model_flops"] == pytest.approx(expected / rows[0]["num_devices"], rel=1e-9)
     assert not cache.exists() or not any(cache.iterdir())
     assert [r["name"] for r in rows] == ["engine.prefill[C=256]"]
     assert rows[0]["compiled"] and rows[0]["fits"] and "whole_copies" in rows[0]["notes"]
