@@ -17,7 +17,12 @@ Both run at the same context length (the cache is rolled back after every step).
   logits are reduced into the carry, so XLA can neither hoist nor drop any of the forward.
 
 A verify / decode ratio near 1 means a step's cost is fixed (weights read once, overheads), which
-is where speculation pays; a ratio near K + 1 means the arithmetic grows with the rows. Each figure
+is where speculation pays; a ratio near K + 1 means the arithmetic grows with the rows. On an
+accelerator of the chip tables (``specjax.aot.chips``: TPUs and common NVIDIA GPUs) each decode
+figure comes with its memory-read bound (``decode_read_bound_ms``: every matmul weight and the
+cached keys / values of the context read once, at the chip's peak bandwidth) and the share of it
+reached (``decode_bandwidth_utilisation``, bound / measured): near 1, decoding is limited by
+reading the weights, the regime speculation is for. Each figure
 is the median over ``--reps`` timed steps (device: timed loops) after warm-up; ratios are taken
 within one run.
 
@@ -46,6 +51,27 @@ import numpy as np
 from flax import nnx
 
 from specjax.models import apply, cached_forward, get_preset, init_cache, init_model
+from specjax.models.config import ModelConfig
+from specjax.models.flops import matmul_params
+
+
+def decode_read_bytes(config: ModelConfig, batch: int, context: int) -> int:
+    """The least a decode step of ``batch`` rows at ``context`` cached positions reads: every
+    matmul weight once (:func:`~specjax.models.flops.matmul_params`, in the weight dtype; the
+    embedding lookup reads ``batch`` rows, not counted) and each row's cached keys and values
+    (in the compute dtype, the cache's)."""
+    weights = matmul_params(config) * np.dtype(config.weight_dtype).itemsize
+    kv = (2 * config.num_layers * batch * context * config.num_kv_heads * config.head_dim
+          * np.dtype(config.compute_dtype).itemsize)
+    return int(weights + kv)
+
+
+def device_bandwidth() -> float | None:
+    """Peak memory bandwidth (bytes/s) of the default device when it is in the chip tables of
+    :mod:`specjax.aot.chips`, else None (a CPU, an unlisted card)."""
+    from specjax.aot.chips import chip_of_device_kind
+    chip = chip_of_device_kind(jax.devices()[0].device_kind)
+    return None if chip is None else chip.hbm_bandwidth
 
 
 def _timed(graphdef, state, cache, tokens, lengths):
@@ -106,13 +132,15 @@ def _interleaved_rows(timed_step, cache, prompt, *, max_k: int, reps: int):
 
 
 def bench_preset(name: str, *, batch: int, context: int, max_k: int, reps: int,
-                 loops: tuple[str, ...] = ("host", "device"), steps: int = 32) -> dict:
+                 loops: tuple[str, ...] = ("host", "device"), steps: int = 32,
+                 bandwidth: float | None = None) -> dict:
     """Decode and verify(K) steps *interleaved* (decode, verify, decode, verify, ...) so machine
     noise hits both alike; the ratio is median(verify) / median(decode) of the same loop.
 
     Returns the preset's row. ``decode_ms`` / ``verify`` are the host loop's figures, ``device``
     holds the device loop's (``steps`` forwards per timed loop); each key is present only when
-    its loop ran."""
+    its loop ran. ``bandwidth`` (bytes/s; :func:`device_bandwidth`) adds each loop's
+    ``decode_read_bound_ms`` and ``decode_bandwidth_utilisation``."""
     if not set(loops) <= {"host", "device"} or not loops:
         raise ValueError(f"loops must be a non-empty subset of ('host', 'device'), got {loops}")
     config = get_preset(name)
@@ -122,7 +150,15 @@ def bench_preset(name: str, *, batch: int, context: int, max_k: int, reps: int,
     cache = init_cache(config, batch, max_len)
     prompt = jax.random.randint(jax.random.key(0), (batch, context), 0, config.vocab_size)
     cache = cached_forward(graphdef, state, prompt, cache).cache
-    row = {"preset": name, "params": config.num_params(), "batch": batch, "context": context}
+    read = decode_read_bytes(config, batch, context)
+    row = {"preset": name, "params": config.num_params(), "batch": batch, "context": context,
+           "decode_read_bytes": read}
+
+    def bound(decode_s):
+        if bandwidth is None:
+            return {}
+        return {"decode_read_bound_ms": read / bandwidth * 1e3,
+                "decode_bandwidth_utilisation": read / bandwidth / decode_s}
     if "host" in loops:
         # A host array: each rollback makes a fresh device buffer (the cache, lengths included, is
         # donated to the next step).
@@ -131,21 +167,25 @@ def bench_preset(name: str, *, batch: int, context: int, max_k: int, reps: int,
             lambda c, tokens: _timed(graphdef, state, c, tokens, lengths), cache, prompt,
             max_k=max_k, reps=reps)
         decode_s = statistics.median(decode_all)
-        row.update(decode_ms=decode_s * 1e3, decode_tokens_per_s=batch / decode_s, verify=rows)
+        row.update(decode_ms=decode_s * 1e3, decode_tokens_per_s=batch / decode_s, verify=rows,
+                   **bound(decode_s))
     if "device" in loops:
         rows, decode_all, cache = _interleaved_rows(
             functools.partial(_timed_loop, graphdef, state, vocab=config.vocab_size,
                               steps=steps), cache, prompt, max_k=max_k, reps=reps)
         decode_s = statistics.median(decode_all)
         row["device"] = {"steps_per_loop": steps, "decode_ms": decode_s * 1e3,
-                         "decode_tokens_per_s": batch / decode_s, "verify": rows}
+                         "decode_tokens_per_s": batch / decode_s, "verify": rows,
+                         **bound(decode_s)}
     return row
 
 
 def _print_table(name: str, loop: str, params: int, batch: int, context: int, r: dict) -> None:
     print(f"\n### {name} ({params / 1e6:.1f}M params, batch {batch}, context {context}), "
           f"{loop} loop: decode {r['decode_ms']:.3f} ms/step = "
-          f"{r['decode_tokens_per_s']:.0f} tokens/s")
+          f"{r['decode_tokens_per_s']:.0f} tokens/s"
+          + (f" ({r['decode_bandwidth_utilisation']:.0%} of the memory-read bound, "
+             f"{r['decode_read_bound_ms']:.3f} ms)" if "decode_read_bound_ms" in r else ""))
     print("| K | verify ms | decode ms (same loop) | verify / decode |\n|---|---|---|---|")
     for v in r["verify"]:
         print(f"| {v['K']} | {v['verify_ms']:.3f} | {v['decode_ms_same_loop']:.3f} "
@@ -175,14 +215,17 @@ def main(argv=None):
     if args.out is None:
         args.out = (os.path.join(tempfile.gettempdir(), "specjax_quick", "model_step_cost.json")
                     if args.quick else "benchmarks/results/model_step_cost.json")
+    bandwidth = device_bandwidth()
     results = {"backend": jax.default_backend(), "devices": str(jax.devices()[0]),
+               "device_kind": jax.devices()[0].device_kind, "peak_bandwidth": bandwidth,
                "load_average_at_start": os.getloadavg(),
                "machine": f"{platform.machine()} {os.cpu_count()} cpus",
                "reps": args.reps, "loops": args.loops.split(","), "presets": []}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for name in args.presets.split(","):
         r = bench_preset(name, batch=args.batch, context=args.context, max_k=args.max_k,
-                         reps=args.reps, loops=tuple(args.loops.split(",")), steps=args.steps)
+                         reps=args.reps, loops=tuple(args.loops.split(",")), steps=args.steps,
+                         bandwidth=bandwidth)
         results["presets"].append(r)
         for loop, figures in (("host", r if "verify" in r else None), ("device", r.get("device"))):
             if figures is not None:

@@ -194,6 +194,25 @@ def test_model_step_cost_keeps_its_presets_when_stopped_early(tmp_path, monkeypa
     assert r["partial"] is True and r["presets"] == [{"preset": "first"}]
 
 
+def test_model_step_cost_reports_the_memory_read_bound():
+    """A decode step's least read (every matmul weight and each row's cached keys and values
+    once), counted by hand for the tiny preset (2 layers, d 64, 4 query / 2 KV heads of 16, MLP
+    128, tied vocabulary 256, float32); given a bandwidth, each loop's row reports that read's time
+    and the share of it the measured decode step reaches. This CPU is in no chip table: none."""
+    import benchmarks.model_step_cost as msc
+    from specjax.models import get_preset
+    weights = 2 * (64 * 16 * (2 * 4 + 2 * 2) + 3 * 64 * 128) + 256 * 64
+    kv = 2 * 2 * 3 * 8 * 2 * 16  # k and v, 2 layers, 3 rows, 8 positions, 2 heads of 16
+    assert msc.decode_read_bytes(get_preset("tiny"), 3, 8) == 4 * (weights + kv)
+    row = msc.bench_preset("tiny", batch=1, context=8, max_k=1, reps=1, loops=("device",),
+                           steps=2, bandwidth=1e9)
+    dev = row["device"]
+    assert dev["decode_read_bound_ms"] == pytest.approx(row["decode_read_bytes"] / 1e9 * 1e3)
+    assert dev["decode_bandwidth_utilisation"] == pytest.approx(
+        dev["decode_read_bound_ms"] / dev["decode_ms"])
+    assert msc.device_bandwidth() is None
+
+
 def test_verify_throughput_records_a_failing_kernel_and_times_the_rest(monkeypatch):
     """On an accelerator ``verify_throughput`` times each compiled Pallas kernel; one that fails to
     compile or run is recorded in the row (``pallas_<backend>_error``), and the row keeps the other
