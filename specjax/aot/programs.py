@@ -130,10 +130,11 @@ class EngineShapes:
 
 @dataclasses.dataclass(frozen=True)
 class EngineFlops:
-    """Model FLOPs of the engine's programs (all slots together), at ``context`` cached positions
-    per query: the target's forward over the tokens a program feeds, its LM head only where the
-    logits are used, plus the drafter's own counts (``propose_flops``, ``prefill_flops``,
-    ``commit_flops`` of :mod:`specjax.drafters`). ``None`` where the drafter has no count."""
+    """Model FLOPs of the engine's programs (all slots together), each query attending to
+    ``EngineShapes.flops_context`` cached positions: the target's forward over the tokens a
+    program feeds, its LM head only where the logits are used, plus the drafter's own counts
+    (``propose_flops``, ``prefill_flops``, ``commit_flops`` of :mod:`specjax.drafters`).
+    ``None`` where the drafter has no count."""
 
     draft: Optional[float]
     verify: dict  # bucket N -> FLOPs of verifying N flat tokens (the drafter commits as many)
@@ -159,9 +160,8 @@ def engine_flops(target_config: ModelConfig, drafter, shapes: EngineShapes) -> E
     ctx = shapes.max_len // 2 if shapes.flops_context is None else shapes.flops_context
     head = lm_head_flops_per_row(target_config)
     token = forward_flops_per_token(target_config, ctx)
-    counts = [getattr(drafter, f, None) for f in ("propose_flops", "prefill_flops",
-                                                  "commit_flops")]
-    propose, prefill, commit = counts
+    propose, prefill, commit = (getattr(drafter, f, None) for f in (
+        "propose_flops", "prefill_flops", "commit_flops"))
     verify = {n: (None if commit is None else n * token + commit(n, ctx, gamma))
               for n in shapes.buckets}
     return EngineFlops(

@@ -45,7 +45,8 @@ from specjax.drafters.base import (DraftOutput, Observation, Sampling, SharedHea
                                    default_anchors, draw, drop_invalid, gather_positions)
 from specjax.drafters.blocks import block_forward, context_block_attention, project_kv
 from specjax.models.attention import kv_windows, window_switch
-from specjax.models.flops import attention_flops_per_query, block_matmul_params
+from specjax.models.flops import (attention_flops_per_query, block_matmul_params,
+                                  lm_head_flops_per_row)
 from specjax.models.config import ModelConfig
 from specjax.models.layers import RMSNorm, param, rope_inv_freq
 from specjax.models.transformer import Block
@@ -334,14 +335,15 @@ class DSparkDrafter:
         and γ sequential-head steps."""
         del max_verify
         c = self._block_config()
-        v, d = self.target_config.vocab_size, c.hidden_size
         backbone = 2 * c.num_layers * block_matmul_params(c) + \
             attention_flops_per_query(c, context + gamma)
-        return gamma * (backbone + 2 * v * d + self._sequential_flops())
+        head = lm_head_flops_per_row(self.target_config)
+        return gamma * (backbone + head + self._sequential_flops())
 
     def commit_flops(self, tokens: int, context: int, gamma: int) -> float:
-        """Forward FLOPs of :meth:`commit` over ``tokens`` observed positions: the context features (``m d -> d``) and each backbone
-        layer's context keys and values (no attention)."""
+        """Forward FLOPs of :meth:`commit` over ``tokens`` observed positions: the context
+        features (``m d -> d``) and each backbone layer's context keys and values (no
+        attention)."""
         del context, gamma
         c = self._block_config()
         d = c.hidden_size

@@ -46,7 +46,8 @@ from specjax.drafters.base import (DraftOutput, Observation, Sampling, SharedHea
                                    default_anchors, draw, drop_invalid, gather_positions)
 from specjax.drafters.blocks import block_forward, cached_attention, causal_self_attention
 from specjax.models.config import ModelConfig
-from specjax.models.flops import attention_flops_per_query, block_matmul_params
+from specjax.models.flops import (attention_flops_per_query, block_matmul_params,
+                                  lm_head_flops_per_row)
 from specjax.models.layers import RMSNorm, param, rope_inv_freq
 from specjax.models.transformer import Block
 
@@ -297,8 +298,7 @@ class MTPDrafter:
         ``W = γ + max_verify`` positions (:meth:`init_state`), attending to ``context`` cached
         positions, and runs the shared LM head at its last position."""
         w = gamma + (gamma if max_verify is None else max_verify)
-        head = 2 * self.target_config.vocab_size * self.target_config.hidden_size
-        return gamma * (w * self._depth_flops(context) + head)
+        return gamma * (w * self._depth_flops(context) + lm_head_flops_per_row(self.target_config))
 
     def prefill_flops(self, rows: int, chunk: int, context: int, gamma: int) -> float:
         """Forward FLOPs of :meth:`prefill` of ``rows`` prompt chunks of ``chunk`` tokens: each
