@@ -90,7 +90,8 @@ def no_persistent_cache_writes():
     for a TPU topology cannot be loaded back on a machine without a TPU, so a cached one only makes
     the next compilation of the same program warn ("Error reading persistent compilation cache
     entry") and compile again. Reads still happen and find nothing; other programs are cached as
-    before. Raises the minimum compile time for a write to infinity and restores it after."""
+    before. Raises the minimum compile time for a write to infinity and restores it after (a
+    process-wide setting: a compilation in another thread meanwhile is not cached either)."""
     import jax
     name = "jax_persistent_cache_min_compile_time_secs"
     before = getattr(jax.config, name)
