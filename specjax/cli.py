@@ -130,7 +130,8 @@ def _add_model_flags(p: argparse.ArgumentParser, *, slots: int, temperature: boo
 
 def versions() -> str:
     """One line for bug reports: specjax's, jax's, jaxlib's and flax's versions and the JAX backend
-    with its devices (starting the backend, so only on request)."""
+    with its devices, and whether training logs an MFU there (the devices' peak in the chip
+    tables; starting the backend, so only on request)."""
     from importlib import metadata
 
     import jax
@@ -143,11 +144,16 @@ def versions() -> str:
         except metadata.PackageNotFoundError:
             return "not installed"
 
+    from specjax.training.train_loop import peak_flops
+
     devices = jax.devices()
     kinds = sorted({d.device_kind for d in devices})
+    peak = peak_flops(devices)
+    mfu = (f"MFU against {peak / len(devices) / 1e12:g} TFLOP/s bf16 per device" if peak else
+           "no MFU: device not in specjax/aot/chips.py")
     return (f"specjax {specjax.__version__} (jax {jax.__version__}, jaxlib {dist('jaxlib')}, "
             f"flax {dist('flax')}; Python {sys.version.split()[0]}; backend "
-            f"{jax.default_backend()}: {len(devices)} x {', '.join(kinds)})")
+            f"{jax.default_backend()}: {len(devices)} x {', '.join(kinds)}; {mfu})")
 
 
 class _VersionAction(argparse.Action):

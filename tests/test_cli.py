@@ -73,6 +73,7 @@ def test_version_names_the_stack_and_the_backend(capsys):
     assert out.startswith(f"specjax {specjax.__version__} (jax {jax.__version__}, jaxlib ")
     assert f"flax {flax.__version__};" in out
     assert f"backend {jax.default_backend()}: {len(jax.devices())} x " in out
+    assert out.rstrip().endswith("; no MFU: device not in specjax/aot/chips.py)")  # a CPU
 
 
 def test_retrospective_policy_is_not_offered(capsys):
