@@ -237,6 +237,16 @@ def test_training_bench_cli(tmp_path):
     assert r["steps_per_s"] > 0 and r["tokens_per_s"] > 0
 
 
+def test_loop_profile_self_times_take_nested_events_off_their_parent():
+    """A ``while`` of 10 ns holding two ops of 3 and 4 ns, one of which holds a 1 ns op, and a
+    later op on its own: self times 3, 2, 4 and 1 (and 5)."""
+    from benchmarks.loop_profile import by_source, self_times
+    events = [(0, 10, "while"), (1, 4, "a"), (2, 3, "a.inner"), (5, 9, "b"), (12, 17, "c")]
+    assert self_times(events) == {"while": 3, "a": 2, "a.inner": 1, "b": 4, "c": 5}
+    assert by_source({"a": 2.0, "b": 4.0, "x": 1.0}, {"a": "f.py:1", "b": "f.py:1"}) == [
+        ("f.py:1", 6.0), ("x", 1.0)]
+
+
 @BENCH
 @pytest.mark.parametrize("module, extra, check", [
     ("benchmarks.loss_memory", [], lambda r: {(x["loss"], x["tokens"], x["vocab"])
@@ -245,6 +255,13 @@ def test_training_bench_cli(tmp_path):
      and set(r["closed_loop"]["2"]["policies"]) == {"none", "fixed2", "dspark", "production",
                                                     "production+cal"}
      and r["overlap"]["concurrency"] == 2 and r["overlap"]["policy"] == "dspark"),
+    # the loop's time split by source line: shares of the traced loop program sum to 1, no op's
+    # self time is negative, the target's and the drafter's code are among the lines
+    ("benchmarks.loop_profile", [], lambda r: r["steps"] > 0 and 0 < r["loop_s"] <= r["wall_s"]
+     and abs(sum(x["share"] for x in r["rows"]) - 1) < 1e-9
+     and min(x["ms_per_step"] for x in r["rows"]) >= 0 and 0 < r["matmul_share"] < 1
+     and {"specjax/models/transformer.py", "specjax/drafters/mtp.py"}
+     <= {x["source"].split(":")[0] for x in r["rows"]}),
 ])
 def test_benchmark_quick(module, extra, check, tmp_path, tmp_path_factory):
     out = tmp_path / "out.json"

@@ -847,3 +847,47 @@ def test_quoted_tpu_remat_policy_numbers_match_the_committed_results():
     assert cost["all_dots"] < cost["none"]
     assert by[1, "all_dots"]["loop_over_model"] > by[1, "none"]["loop_over_model"]
     assert (f"(`all_dots` {cost['all_dots']:.2f}x below `none` {cost['none']:.2f}x)") in flat
+
+
+def test_quoted_loop_profile_numbers_match_the_committed_results():
+    """docs/SPEC_VS_PLAIN.md's "Where a step's time goes", from the two committed profiles, and
+    its arithmetic ratios from the quickstart target's and head's configs (preset "small"; one
+    shared MTP head, MLP width 256, γ 3), by the model FLOPs the engine programs count."""
+    from specjax.drafters import MTPConfig, MTPDrafter
+    from specjax.models import get_preset
+    from specjax.models.flops import forward_flops_per_token
+    doc = open(os.path.join(ROOT, "docs", "SPEC_VS_PLAIN.md")).read()
+    runs = [json.load(open(os.path.join(ROOT, "benchmarks", "results", f"{n}.json")))
+            for n in ("loop_profile", "loop_profile_repeat")]
+    assert [(r["steps"], round(r["tau"], 2)) for r in runs] == [(192, 1.98)] * 2
+    assert "(192 loop steps, τ 1.98)" in doc
+    assert [round(r["loop_s"] / r["wall_s"], 2) for r in runs] == [0.90, 0.90]
+    assert "0.770 of 0.852 s, and 0.831 of 0.921 s" in doc
+    assert [(round(r["loop_s"], 3), round(r["wall_s"], 3)) for r in runs] == \
+        [(0.770, 0.852), (0.831, 0.921)]
+    assert "Matmuls are 67.5 % and 68.4 %" in doc
+    assert [round(100 * r["matmul_share"], 1) for r in runs] == [67.5, 68.4]
+
+    def share(r, prefixes):
+        return round(100 * sum(x["share"] for x in r["rows"]
+                               if x["source"].startswith(prefixes)), 1)
+    for prefixes, quoted in (
+            ("specjax/models/transformer.py", "55.2 / 55.0 %"),
+            ("specjax/models/attention.py", "9.9 / 9.8 %"),
+            (("<dot>", "<fusion of dot>"), "12.3 / 12.3 %"),
+            ("specjax/models/layers.py", "4.5 / 4.4 %"),
+            ("specjax/drafters/mtp.py", "4.4 / 5.4 %"),
+            ("specjax/drafters/blocks.py", "3.6 / 3.5 %"),
+            ("specjax/sampling.py", "3.8 / 3.8 %"),
+            ("specjax/engine/", "2.6 / 2.2 %"),
+            ("specjax/verify.py", "0.3 / 0.3 %")):
+        assert " / ".join(f"{share(r, prefixes):.1f}" for r in runs) + " %" == quoted
+        assert quoted in doc, quoted
+    ratios = [r["traced_wall_s_per_call"] / r["untraced_wall_s_per_call"] for r in runs]
+    assert [round(x, 2) for x in ratios] == [1.20, 1.17] and "1.20x and 1.17x" in doc
+    assert [round(r["ms_per_step"], 1) for r in runs] == [4.0, 4.3] and "4.0 and 4.3 ms" in doc
+    target = get_preset("small")
+    drafter, _ = MTPDrafter.create(target, MTPConfig(shared=True, intermediate_size=256))
+    plain = forward_flops_per_token(target, 96)
+    assert round(drafter.propose_flops(96, 3) / plain, 2) == 3.08
+    assert "3.08x a plain decode step" in doc and "verifying 4 tokens 4.0x" in doc

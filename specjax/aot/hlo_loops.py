@@ -126,9 +126,10 @@ def _sources(tables: dict) -> dict:
     return out
 
 
-def parse_hlo(text: str) -> tuple[dict, str]:
+def parse_hlo(text: str, *, all_sources: bool = False) -> tuple[dict, str]:
     """``({computation name: [Instruction, ...]}, entry computation name)`` of an HLO module's
-    text (``compiled.as_text()``, or a dump's ``*.txt``)."""
+    text (``compiled.as_text()``, or a dump's ``*.txt``). ``Instruction.source`` is filled for the
+    matmuls (``convolution``, ``dot``), or for every instruction with ``all_sources``."""
     computations, current, entry = {}, None, None
     tables, table = {}, None
     frames = []  # (instruction, stack frame id), resolved once the tables are read
@@ -164,7 +165,7 @@ def parse_hlo(text: str) -> tuple[dict, str]:
             operands=re.findall(r"%([\w.\-]+)", inside), attrs=rest[end:],
             literal=inside if op == "constant" else ""))
         frame = re.search(r"\bstack_frame_id=(\d+)", rest[end:])
-        if frame and op in ("convolution", "dot"):
+        if frame and (all_sources or op in ("convolution", "dot")):
             frames.append((current[-1], frame.group(1)))
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
