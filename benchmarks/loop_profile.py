@@ -202,7 +202,11 @@ def profile(args, dump_dir: str) -> dict:
             "config": portable_values({k: v for k, v in vars(args).items() if k != "out"}),
             "steps": steps, "tokens": tokens, "tau": tokens / max(steps, 1) / args.batch,
             "wall_s": sum(walls), "loop_s": loop_s,
-            "untraced_wall_s_per_call": untraced, "traced_wall_s_per_call": statistics.median(walls),
+            "untraced_wall_s_per_call": untraced,
+            "traced_wall_s_per_call": statistics.median(walls),
+            # more than one compiled loop (another policy or bucket set in the same run) would
+            # share instruction names; one engine compiles one
+            "loop_programs": len(dumps),
             "ms_per_step": loop_s / steps * 1e3,
             "matmul_share": sum(t for op, t in times.items() if op in matmuls) / loop_s,
             "rows": rows}
@@ -212,9 +216,9 @@ def _print(result: dict, top: int) -> None:
     print(f"\n{result['steps']} loop steps, {result['tokens']} tokens (tau {result['tau']:.2f}); "
           f"loop program {result['loop_s']:.3f} s of {result['wall_s']:.3f} s wall, "
           f"{result['ms_per_step']:.3f} ms per step; a call took "
-          f"{result['traced_wall_s_per_call']:.3f} s traced, {result['untraced_wall_s_per_call']:.3f} s "
-          f"untraced (the profiler's own cost: read shares, not absolute times); matmuls "
-          f"{result['matmul_share']:.0%} of the loop program")
+          f"{result['traced_wall_s_per_call']:.3f} s traced, "
+          f"{result['untraced_wall_s_per_call']:.3f} s untraced (the profiler's own cost: read "
+          f"shares, not absolute times); matmuls {result['matmul_share']:.0%} of the loop program")
     print("| source | ms per step | share |\n|---|---|---|")
     for r in result["rows"][:top]:
         print(f"| {r['source']} | {r['ms_per_step']:.4f} | {r['share']:.1%} |")
