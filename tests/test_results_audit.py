@@ -891,3 +891,20 @@ def test_quoted_loop_profile_numbers_match_the_committed_results():
     plain = forward_flops_per_token(target, 96)
     assert round(drafter.propose_flops(96, 3) / plain, 2) == 3.08
     assert "3.08x a plain decode step" in doc and "verifying 4 tokens 4.0x" in doc
+
+
+def test_quoted_tpu_engine_flops_numbers_match_the_committed_results():
+    """docs/TPU.md's engine model-FLOPs check at scale (Qwen3-8B + MTP on v5p-8), from its JSON."""
+    rows = {r["name"]: r for r in json.load(open(os.path.join(TPU, "engine_flops", "plan.json")))}
+    doc = _tpu_doc()
+    ratio = {n: r["model_flops"] / r["notes"]["loops"]["matmul_flops"] for n, r in rows.items()}
+    for name, quoted in (("engine.draft", "0.1999"), ("engine.verify[N=256]", "1.046"),
+                         ("engine.prefill[C=256]", "66.20")):
+        assert round(ratio[name], 4) == 1.0, name
+        tflop = rows[name]["model_flops"] / 1e12
+        assert f"{tflop:.{len(quoted.split('.')[1])}f}" == quoted, name
+    assert round(ratio["engine.verify[N=64]"], 2) == 0.82
+    assert "(0.1999, 1.046 and 66.20 TFLOP per chip)" in doc and "0.82x its matmuls" in doc
+    assert {r["shapes"]["max_len"] for r in rows.values()} == {2048}
+    assert {r["shapes"]["slots"] for r in rows.values()} == {64}
+    assert {r["shapes"]["flops_context"] for r in rows.values()} == {2048}

@@ -139,6 +139,7 @@ class EngineFlops:
     draft: Optional[float]
     verify: dict  # bucket N -> FLOPs of verifying N flat tokens (the drafter commits as many)
     prefill: Optional[float]
+    context: int  # cached positions each query attends to in these counts
 
     def loop_step(self, bucket: int) -> Optional[float]:
         """One draft-verify step of the device loop at token bucket ``bucket``."""
@@ -168,7 +169,8 @@ def engine_flops(target_config: ModelConfig, drafter, shapes: EngineShapes) -> E
         draft=None if propose is None else float(s * propose(ctx, gamma)),
         verify={n: (None if v is None else float(v)) for n, v in verify.items()},
         prefill=None if prefill is None else float(
-            s * c * (token - head) + s * head + prefill(s, c, ctx, gamma)))
+            s * c * (token - head) + s * head + prefill(s, c, ctx, gamma)),
+        context=ctx)
 
 
 def _engine_device_fns():
@@ -238,8 +240,9 @@ def engine_steps(target_config: ModelConfig, task_config: ml_collections.ConfigD
     sampling = Sampling(temperature=rep((s,), jnp.float32))
     v = target_config.vocab_size
 
-    common = {"slots": s, "max_len": max_len, "gamma": gamma, "model": "target"}
     flops = engine_flops(target_config, drafter, shapes)
+    common = {"slots": s, "max_len": max_len, "gamma": gamma, "model": "target",
+              "flops_context": flops.context}
     programs = [Program(
         name="engine.draft", shapes=dict(common), model_flops=flops.draft,
         lower=lambda: draft_fn.lower(drafter, d_abs, frozen, dstate, key, sampling, gamma=gamma,
