@@ -856,7 +856,7 @@ def test_quoted_loop_profile_numbers_match_the_committed_results():
     from specjax.drafters import MTPConfig, MTPDrafter
     from specjax.models import get_preset
     from specjax.models.flops import forward_flops_per_token
-    doc = open(os.path.join(ROOT, "docs", "SPEC_VS_PLAIN.md")).read()
+    doc = " ".join(open(os.path.join(ROOT, "docs", "SPEC_VS_PLAIN.md")).read().split())
     runs = [json.load(open(os.path.join(ROOT, "benchmarks", "results", f"{n}.json")))
             for n in ("loop_profile", "loop_profile_repeat")]
     assert [(r["steps"], round(r["tau"], 2)) for r in runs] == [(192, 1.98)] * 2
