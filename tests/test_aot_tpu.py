@@ -142,6 +142,8 @@ def test_engine_steps_compile_at_their_model_flops(variant):
         draft_model = build_drafter(task, target)[0].config
         unseen = slots * (gamma - 1) * attention_flops_per_query(draft_model, ctx)
     for p in aot.engine_steps(target, task, mesh, shapes):
+        if variant in ("dspark_rnn", "dflash") and p.name != "engine.draft":
+            continue  # the same verification and prefill programs as DSpark-Markov's
         r = _compile(p, mesh)
         matmuls = r.notes["loops"]["matmul_flops"]
         expected = r.model_flops - (unseen / r.num_devices if p.name == "engine.draft" else 0)
