@@ -248,13 +248,14 @@ def main(argv=None):
     if args.out is None:
         args.out = (os.path.join(tempfile.gettempdir(), "specjax_quick", "loop_profile.json")
                     if args.quick else "benchmarks/results/loop_profile.json")
-    import jax
     import jax._src.xla_bridge as xb
+
+    from specjax.aot.env import without_persistent_cache
     if xb.backends_are_initialized():
         sys.exit("benchmarks.loop_profile: JAX's backend is already running in this process; "
                  "run it as its own process (python -m benchmarks.loop_profile)")
     # a program loaded from JAX's persistent cache is not compiled, so its HLO is not dumped
-    jax.config.update("jax_enable_compilation_cache", False)
+    without_persistent_cache()
     dump_dir = tempfile.mkdtemp(prefix="specjax_hlo_")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_dir} "
                                f"--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*{MODULE}.*")

@@ -163,11 +163,10 @@ def engine_flops(target_config: ModelConfig, drafter, shapes: EngineShapes) -> E
     token = forward_flops_per_token(target_config, ctx)
     propose, prefill, commit = (getattr(drafter, f, None) for f in (
         "propose_flops", "prefill_flops", "commit_flops"))
-    verify = {n: (None if commit is None else n * token + commit(n, ctx, gamma))
-              for n in shapes.buckets}
     return EngineFlops(
         draft=None if propose is None else float(s * propose(ctx, gamma)),
-        verify={n: (None if v is None else float(v)) for n, v in verify.items()},
+        verify={n: None if commit is None else float(n * token + commit(n, ctx, gamma))
+                for n in shapes.buckets},
         prefill=None if prefill is None else float(
             s * c * (token - head) + s * head + prefill(s, c, ctx, gamma)),
         context=ctx)
