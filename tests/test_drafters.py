@@ -108,33 +108,34 @@ def test_config_errors():
 # inference == teacher-forced, and q is exact
 
 
-def _scenario():
+def _scenario(accept=ACCEPT, n_same=N_SAME):
     rng = np.random.default_rng(0)
     b = len(PROMPT_LENS)
-    prompts = np.zeros((b + N_SAME, 8), np.int32)
+    prompts = np.zeros((b + n_same, 8), np.int32)
     prompts[:b] = rng.integers(0, VOCAB, (b, 8))
     prompts[b:] = rng.integers(0, VOCAB, 8)
-    lens = np.concatenate([PROMPT_LENS, np.full(N_SAME, 6)]).astype(np.int32)
-    first = np.concatenate([rng.integers(0, VOCAB, b), np.full(N_SAME, rng.integers(VOCAB))])
-    accept = np.concatenate([ACCEPT, np.zeros((len(ACCEPT), N_SAME), np.int64)], axis=1)
-    corr = np.concatenate([rng.integers(0, VOCAB, (len(ACCEPT), b)),
-                           np.repeat(rng.integers(0, VOCAB, (len(ACCEPT), 1)), N_SAME, 1)], axis=1)
+    lens = np.concatenate([PROMPT_LENS, np.full(n_same, 6)]).astype(np.int32)
+    first = np.concatenate([rng.integers(0, VOCAB, b), np.full(n_same, rng.integers(VOCAB))])
+    accept = np.concatenate([accept, np.zeros((len(accept), n_same), np.int64)], axis=1)
+    corr = np.concatenate([rng.integers(0, VOCAB, (len(accept), b)),
+                           np.repeat(rng.integers(0, VOCAB, (len(accept), 1)), n_same, 1)], axis=1)
     return prompts, lens, first.astype(np.int32), accept.astype(np.int32), corr.astype(np.int32)
 
 
-def _decode(name):
-    """prefill -> (propose -> verify forward -> commit(accept, corr)) x 2 -> propose."""
+def _decode(name, accept=ACCEPT, n_same=N_SAME, max_verify=None):
+    """prefill -> (propose -> verify forward -> commit(accept, corr)) x steps -> propose."""
     d, params, fr = drafter(name)
     gd, st = target()
-    prompts, lens, first, accept, corr = _scenario()
+    prompts, lens, first, accept, corr = _scenario(accept, n_same)
     b = len(lens)
+    state_kw = {} if max_verify is None else {"max_verify": max_verify}
 
     @jax.jit
     def run(params, fr, st, key):
         cache = init_cache(CONFIG, b, MAX_LEN)
         out = apply(gd, st, prompts, cache=cache, num_valid=lens, hidden_layers=d.hidden_layers)
         cache = out.cache
-        ds = d.prefill(params, fr, d.init_state(b, MAX_LEN, GAMMA),
+        ds = d.prefill(params, fr, d.init_state(b, MAX_LEN, GAMMA, **state_kw),
                        Observation(jnp.asarray(prompts), jnp.asarray(lens),
                                    jnp.zeros((b,), jnp.int32), jnp.asarray(first), out.hidden))
         anchor = jnp.asarray(first)
@@ -156,16 +157,12 @@ def _decode(name):
     return jax.device_get(run(params, fr, st, jax.random.key(42)))
 
 
-@pytest.mark.parametrize("name", NEURAL)
-def test_propose_equals_teacher_forced_and_q_is_exact(name):
-    """Each step's q (and confidences) equal the training forward at anchor n-2 with the drafts as
-    teacher tokens, for ragged rows after commits of 0..γ accepted drafts; and, over thousands of
-    rows with one context, the drafted γ-token sequences are distributed as the product of the
-    returned (sequential / chained) q's, at every step (chi-square, 1e-6)."""
+def _teacher_forced(name, drafts, accept=ACCEPT):
+    """Per decoding step, ``(q [rows, γ, V], confidences [rows, γ] or None)`` of the training
+    forward at anchor n-2 with that step's drafts as teacher tokens (the ragged rows only)."""
     d, params, fr = drafter(name)
     gd, st = target()
-    prompts, lens, first, accept, corr = _scenario()
-    drafts = _decode(name)
+    prompts, lens, first, accept, corr = _scenario(accept, 0)
     rows = len(PROMPT_LENS)
     seqs = np.zeros((len(drafts), rows, MAX_LEN), np.int32)
     anchors = np.zeros((len(drafts), rows), np.int32)
@@ -186,18 +183,65 @@ def test_propose_equals_teacher_forced_and_q_is_exact(name):
         c = None if r.confidence_logits is None else jax.nn.sigmoid(r.confidence_logits[:, 0])
         return q, c
 
-    for s, dr in enumerate(drafts):
-        q, c = jax.device_get(tf(params, fr, st, jnp.asarray(seqs[s]), jnp.asarray(anchors[s])))
+    return [jax.device_get(tf(params, fr, st, jnp.asarray(seqs[s]), jnp.asarray(anchors[s])))
+            for s in range(len(drafts))]
+
+
+@pytest.mark.parametrize("name", NEURAL)
+def test_propose_equals_teacher_forced_and_q_is_exact(name):
+    """Each step's q (and confidences) equal the training forward at anchor n-2 with the drafts as
+    teacher tokens, for ragged rows after commits of 0..γ accepted drafts; and, over thousands of
+    rows with one context, the drafted γ-token sequences are distributed as the product of the
+    returned (sequential / chained) q's, at every step (chi-square, 1e-6)."""
+    d, _, _ = drafter(name)
+    rows = len(PROMPT_LENS)
+    drafts = _decode(name)
+    for s, (dr, (q, c)) in enumerate(zip(drafts, _teacher_forced(name, drafts))):
         np.testing.assert_allclose(dr.probs[:rows], q, atol=2e-5, err_msg=f"step {s}")
         assert dr.tokens.dtype == np.int32 and dr.probs.dtype == np.float32
         if d.has_confidence:
             np.testing.assert_allclose(dr.confidences[:rows], c, atol=2e-5)
-            assert dr.confidences.shape == (len(lens), GAMMA)
+            assert dr.confidences.shape == (len(PROMPT_LENS) + N_SAME, GAMMA)
         else:
             assert dr.confidences is None
     for s, dr in enumerate(drafts):
         res = sequential_gof(dr.tokens[rows:], dr.probs[rows:], label=f"{name} step {s}")
         assert res.df >= 5, res  # the test has power (q is not degenerate)
+
+
+# Three commits with at most K accepted drafts each, so that an entry written two steps back
+# (outside any window) is read.
+ACCEPT_K1 = np.array([[0, 1, 1, 0, 1, 1, 0, 1],
+                      [1, 0, 1, 1, 0, 1, 1, 0],
+                      [1, 1, 0, 1, 1, 0, 1, 1]])
+
+
+@pytest.mark.parametrize("max_verify,accept", [(None, ACCEPT), (1, ACCEPT_K1)],
+                         ids=["K=gamma", "K=1"])
+def test_mtp_window_is_the_smallest_that_keeps_propose_exact(monkeypatch, max_verify, accept):
+    """The MTP state recomputes W = max(K + 1, γ) positions per depth (γ + 1 at the default K = γ,
+    γ at K = 1 < γ - 1): with W, propose equals the training forward after commits of up to K
+    accepted drafts; with W - 1 it does not (a stale or missing cache entry is read)."""
+    rows = len(PROMPT_LENS)
+    w = MTPDrafter.window(GAMMA, max_verify)
+    assert w == (GAMMA + 1 if max_verify is None else GAMMA)
+    drafts = _decode("mtp", accept, n_same=0, max_verify=max_verify)
+    assert drafts[0].probs.shape == (rows, GAMMA, VOCAB)
+    for s, (dr, (q, _)) in enumerate(zip(drafts, _teacher_forced("mtp", drafts, accept))):
+        np.testing.assert_allclose(dr.probs, q, atol=2e-5, err_msg=f"step {s}")
+    monkeypatch.setattr(MTPDrafter, "window", staticmethod(lambda gamma, max_verify=None: w - 1))
+    drafts = _decode("mtp", accept, n_same=0, max_verify=max_verify)
+    worst = max(np.abs(dr.probs - q).max()
+                for dr, (q, _) in zip(drafts, _teacher_forced("mtp", drafts, accept)))
+    assert worst > 1e-2, worst
+
+
+def test_mtp_window_errors():
+    assert MTPDrafter.window(3, 0) == 3 and MTPDrafter.window(1) == 2
+    with pytest.raises(ValueError, match="gamma >= 1"):
+        MTPDrafter.window(0)
+    with pytest.raises(ValueError, match="max_verify >= 0"):
+        MTPDrafter.window(3, -1)
 
 
 # ------------------------------------------------------------------------------------------------

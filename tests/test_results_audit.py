@@ -889,8 +889,12 @@ def test_quoted_loop_profile_numbers_match_the_committed_results():
     target = get_preset("small")
     drafter, _ = MTPDrafter.create(target, MTPConfig(shared=True, intermediate_size=256))
     plain = forward_flops_per_token(target, 96)
-    assert round(drafter.propose_flops(96, 3) / plain, 2) == 3.08
-    assert "3.08x a plain decode step" in doc and "verifying 4 tokens 4.0x" in doc
+    # the profiles ran a window of 2γ = 6 positions per depth (max_verify = 5 gives it now)
+    assert drafter.window(3, 5) == 6
+    assert round(drafter.propose_flops(96, 3, max_verify=5) / plain, 2) == 3.08
+    assert round(drafter.propose_flops(96, 3) / plain, 2) == 2.19
+    assert "ran was 3.08x a plain decode step" in doc and "verifying 4 tokens 4.0x" in doc
+    assert "the draft step 2.19x a plain step" in doc
 
 
 def test_quoted_tpu_engine_flops_numbers_match_the_committed_results():

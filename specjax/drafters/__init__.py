@@ -47,7 +47,7 @@ anchor; inference is the teacher-forced form at ``i = n - 2`` with the drafts as
 Drafters:
 
 * :class:`MTPDrafter` (:mod:`.mtp`): chained MTP heads (DeepSeek-V3 / Qwen), separate or shared;
-  per-depth KV caches, recomputed over a window of the last 2γ positions each step.
+  per-depth KV caches, recomputed over a window of the last γ + 1 positions each step.
 * :class:`DSparkDrafter` (:mod:`.dspark`): DFlash parallel backbone with context K/V injection
   (own cache of context K/V over the full prefix), Markov or RNN sequential head, confidence head;
   :func:`dflash_config` gives the DFlash baseline.

@@ -20,18 +20,24 @@ state and the token it drafted.
 
 What it sees / caches. Each depth's block attends causally over *its own* sequence, as in
 DeepSeek-V3, so each chain depth has its own KV cache (one layer; depths share a cache only in
-shape). Depth-k entries at positions ``j <= n - 1 - k`` are *final* (true tokens and true hidden
-states); the last ``k - 1`` positions before the query depend on drafts. Every ``propose``
-therefore recomputes a window of the last ``W = γ + K`` positions (K = most drafts verified per
-step, default γ) at every depth, writing their keys/values before attending: this rewrites every
-non-final entry with the current tokens, so no cache entry is ever read stale and no rollback is
-needed. ``commit`` only appends the verified target hidden states and tokens to small rolling
-buffers (the last W of each). At inference, positions ``j > n - 1 - k`` use the drafts where
-teacher-forced training uses the true tokens; when the drafts are accepted the two coincide.
+shape). A depth-k entry at position j is a function of the tokens through ``t_{j+k}`` and the
+target hidden states through ``h^0_j``: with ``n`` emitted tokens it is *final* for
+``j <= n - 1 - k``; the last ``k - 1`` positions before the query depend on drafts. Every
+``propose`` recomputes a window of the last ``W`` positions at every depth, writing their
+keys/values before attending, so that no cache entry is ever read stale and no rollback is needed.
+``W = max(K + 1, γ)`` (K = most drafts verified per step, default γ) is the smallest window that
+does this: after a step that emitted ``m <= K + 1`` tokens, the entries left to (re)write at depth
+k are the ``m`` positions the last propose never reached and the ``k - 1`` non-final ones before
+the query, together the last ``max(m, k)`` positions (an entry the last propose wrote from drafts
+that were then accepted is already right); one width serves every depth because depth k reads
+depth ``k - 1``'s hidden states over its whole window. ``commit`` only appends the verified
+target hidden states and tokens to small rolling buffers (the last W of each). At inference,
+positions ``j > n - 1 - k`` use the drafts where teacher-forced training uses the true tokens;
+when the drafts are accepted the two coincide.
 
-Cost per step: γ block applications on W = 2γ window tokens (attention against the smallest
-window bucket of the cache that holds the context) plus γ LM-head rows; state: γ single-layer KV
-caches.
+Cost per step: γ block applications on W = γ + 1 window tokens at the default K (attention against
+the smallest window bucket of the cache that holds the context) plus γ LM-head rows; state: γ
+single-layer KV caches.
 """
 from __future__ import annotations
 
@@ -192,11 +198,21 @@ class MTPDrafter:
         return rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
 
     # -- decoding --------------------------------------------------------------------------------
+    @staticmethod
+    def window(gamma: int, max_verify: Optional[int] = None) -> int:
+        """W, the positions every depth recomputes per :meth:`propose`: ``max(K + 1, γ)`` for at
+        most ``K = max_verify`` (default γ) drafts verified per step (module docstring)."""
+        k = gamma if max_verify is None else max_verify
+        if gamma < 1 or k < 0:
+            raise ValueError(f"MTP window: need gamma >= 1 and max_verify >= 0, got gamma={gamma}, "
+                             f"max_verify={max_verify}")
+        return max(k + 1, gamma)
+
     def init_state(self, batch: int, max_len: int, gamma: int,
                    max_verify: Optional[int] = None) -> MTPState:
         """Empty state for ``gamma``-token drafts verified ``max_verify`` (default γ) at a time."""
         c = self.config.block_config(self.target_config)
-        w = gamma + (gamma if max_verify is None else max_verify)
+        w = self.window(gamma, max_verify)
         shape = (batch, max_len, c.num_kv_heads, c.head_dim)
         zeros = tuple(jnp.zeros(shape, c.compute_dtype) for _ in range(gamma))
         return MTPState(
@@ -295,9 +311,9 @@ class MTPDrafter:
 
     def propose_flops(self, context: int, gamma: int, max_verify: Optional[int] = None) -> float:
         """Forward FLOPs of one row's :meth:`propose`: every depth recomputes the window of
-        ``W = γ + max_verify`` positions (:meth:`init_state`), attending to ``context`` cached
+        ``W = max(max_verify + 1, γ)`` positions (:meth:`window`), attending to ``context`` cached
         positions, and runs the shared LM head at its last position."""
-        w = gamma + (gamma if max_verify is None else max_verify)
+        w = self.window(gamma, max_verify)
         return gamma * (w * self._depth_flops(context) + lm_head_flops_per_row(self.target_config))
 
     def prefill_flops(self, rows: int, chunk: int, context: int, gamma: int) -> float:
