@@ -897,18 +897,67 @@ def test_quoted_loop_profile_numbers_match_the_committed_results():
     assert "the draft step 2.19x a plain step" in doc
 
 
+def test_quoted_mtp_window_numbers_match_the_committed_results():
+    """docs/SPEC_VS_PLAIN.md's "The MTP window" and README's sentence on it, from the two
+    committed runs of benchmarks/mtp_window.py."""
+    doc = " ".join(open(os.path.join(ROOT, "docs", "SPEC_VS_PLAIN.md")).read().split())
+    readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    runs = [json.load(open(os.path.join(ROOT, "benchmarks", "results", f"{n}.json")))
+            for n in ("mtp_window", "mtp_window_repeat")]
+    for r in runs:
+        assert (r["gamma"], r["window"], r["window_wide"], r["flops_context"]) == (3, 4, 6, 96)
+        assert round(r["propose_flops"] / r["propose_flops_wide"], 3) == 0.711
+        assert r["config"]["reps"] == 7 and r["config"]["prompts"] == 2
+        assert (r["config"]["prompt_len"], r["config"]["new_tokens"]) == (32, 128)
+        assert "Intel" in r["machine"]["cpu"] and r["machine"]["cores"] == 2
+        assert all(c["same_tokens"] for c in r["cells"])
+        assert {c["baseline"] for c in r["cells"]} == {"generate"}
+    assert "0.711x the draft step's model FLOPs at 96 cached positions" in doc
+    assert "2-vCPU Intel Xeon VM" in doc and "median of 7 runs" in doc
+    taus = {(c["domain"], c["temperature"]): round(c["decoders"]["speculative"]["tau"], 2)
+            for r in runs for c in r["cells"]}
+    assert taus == {("math", 0.0): 2.10, ("math", 1.0): 2.51, ("code", 0.0): 1.68,
+                    ("code", 1.0): 2.67}
+    assert all(round(c["decoders"]["speculative_wide"]["tau"], 2) == taus[c["domain"],
+               c["temperature"]] for r in runs for c in r["cells"])
+    assert "(τ 2.10 / 2.51 on math, 1.68 / 2.67 on code, T = 0 / 1)" in doc
+
+    def span(key, digits=2):
+        vals = [round(c[key], digits) for r in runs for c in r["cells"]]
+        return f"{min(vals):.{digits}f}-{max(vals):.{digits}f}"
+    assert span("narrow_over_wide") == "1.04-1.06"
+    assert "decodes at 1.04-1.06x the wide one's tokens/s" in doc
+    assert "1.04-1.06x the tokens/s of the wider window" in readme
+    medians = " and ".join(f"{r['narrow_over_wide_median']:.3f}" for r in runs)
+    assert f"(median over the four cells {medians})" in doc
+    assert f"the speed-up is {span('speedup')}x with the narrow window and " \
+        f"{span('speedup_wide')}x with the wide one" in doc
+    assert span("speedup") == "0.50-0.82"
+
+
 def test_quoted_tpu_engine_flops_numbers_match_the_committed_results():
     """docs/TPU.md's engine model-FLOPs check at scale (Qwen3-8B + MTP on v5p-8), from its JSON."""
     rows = {r["name"]: r for r in json.load(open(os.path.join(TPU, "engine_flops", "plan.json")))}
     doc = _tpu_doc()
     ratio = {n: r["model_flops"] / r["notes"]["loops"]["matmul_flops"] for n, r in rows.items()}
-    for name, quoted in (("engine.draft", "0.1999"), ("engine.verify[N=256]", "1.046"),
+    for name, quoted in (("engine.draft", "0.1532"), ("engine.verify[N=256]", "1.046"),
                          ("engine.prefill[C=256]", "66.20")):
         assert round(ratio[name], 4) == 1.0, name
         tflop = rows[name]["model_flops"] / 1e12
         assert f"{tflop:.{len(quoted.split('.')[1])}f}" == quoted, name
     assert round(ratio["engine.verify[N=64]"], 2) == 0.82
-    assert "(0.1999, 1.046 and 66.20 TFLOP per chip)" in doc and "0.82x its matmuls" in doc
+    assert "(0.1532, 1.046 and 66.20 TFLOP per chip)" in doc and "0.82x its matmuls" in doc
+    draft = rows["engine.draft"]
+    wide = {r["name"]: r for r in json.load(open(os.path.join(
+        TPU, "engine_flops", "window_2gamma", "plan.json")))}["engine.draft"]
+    assert wide["model_flops"] == wide["notes"]["loops"]["matmul_flops"]
+    flat = " ".join(doc.split())
+    assert f"counted and compiled {wide['model_flops'] / 1e12:.4f} TFLOP" in flat
+    assert (f"its roofline time was {wide['roofline_seconds'] * 1e3:.2f} ms against "
+            f"{draft['roofline_seconds'] * 1e3:.2f} ms now") in flat
+    assert (f"{wide['bytes_accessed'] / 1e9:.2f} against {draft['bytes_accessed'] / 1e9:.2f} GB "
+            "per chip") in flat
+    assert draft["bound"] == wide["bound"] == "memory"
     assert {r["shapes"]["max_len"] for r in rows.values()} == {2048}
     assert {r["shapes"]["slots"] for r in rows.values()} == {64}
     assert {r["shapes"]["flops_context"] for r in rows.values()} == {2048}
