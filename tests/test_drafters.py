@@ -219,9 +219,9 @@ ACCEPT_K1 = np.array([[0, 1, 1, 0, 1, 1, 0, 1],
 @pytest.mark.parametrize("max_verify,accept", [(None, ACCEPT), (1, ACCEPT_K1)],
                          ids=["K=gamma", "K=1"])
 def test_mtp_window_is_the_smallest_that_keeps_propose_exact(monkeypatch, max_verify, accept):
-    """The MTP state recomputes W = max(K + 1, γ) positions per depth (γ + 1 at the default K = γ,
-    γ at K = 1 < γ - 1): with W, propose equals the training forward after commits of up to K
-    accepted drafts; with W - 1 it does not (a stale or missing cache entry is read)."""
+    """The MTP state recomputes W = max(K + 1, γ) positions per depth (γ + 1 at the default
+    K = γ, γ at K = 1 < γ - 1): with W, propose equals the training forward after commits of up
+    to K accepted drafts; with W - 1 it does not (a stale or missing cache entry is read)."""
     rows = len(PROMPT_LENS)
     w = MTPDrafter.window(GAMMA, max_verify)
     assert w == (GAMMA + 1 if max_verify is None else GAMMA)

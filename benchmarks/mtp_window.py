@@ -1,0 +1,212 @@
+"""The MTP drafter's recomputed window, narrow against wide, on the same weights in the same run.
+
+Each MTP ``propose`` rewrites the last W positions of every chain depth's cache. W was
+``γ + K = 2γ`` until it was derived as the smallest window that keeps every draft exact,
+``max(K + 1, γ)`` (``γ + 1`` at the default K = γ; ``specjax/drafters/mtp.py``,
+``tests/test_drafters.py``). This times the speculative engine (fixed K = γ, device loop) with
+both windows (the wide one through a subclass that builds its state for ``2γ``), and the fastest
+plain decoder of the same weights (the faster of ``generate(loop="device")`` and the engine's
+policy "none"), one request at a time (B = 1) on held-out prompts per domain and temperature,
+as the quickstart's step 4 does. The decoders' timed runs alternate (the order rotates every
+round), so that a drift in the machine's speed falls on all of them alike; each figure is the
+median of ``--reps`` runs after a warm-up. The two windows draft the same q up to float rounding
+(tested), so they should emit the same tokens: the JSON says whether they did.
+
+Run:
+    python -m benchmarks.mtp_window --target <quickstart dir>/target-<key> \\
+        --drafter <quickstart dir>/mtp_e2e_tv_ws-<key>
+    python -m benchmarks.mtp_window --quick      # random tiny target, fresh MTP head (smoke run)
+Writes ``--out`` (JSON, default ``benchmarks/results/mtp_window.json``; ``--quick``: a file in
+the temp directory) and prints one line per cell.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import tempfile
+import time
+
+from specjax.drafters import MTPDrafter
+from specjax.paths import portable_values
+
+NARROW, WIDE = "speculative", "speculative_wide"
+
+
+@dataclasses.dataclass(frozen=True)
+class WideWindowMTP(MTPDrafter):
+    """The MTP drafter with the window it had before: ``γ + K`` positions per depth."""
+
+    def init_state(self, batch, max_len, gamma, max_verify=None):
+        k = gamma if max_verify is None else max_verify
+        # window(γ, γ + K - 1) = max(γ + K, γ) = γ + K
+        return super().init_state(batch, max_len, gamma, max_verify=gamma + k - 1)
+
+
+def _models(args):
+    """``(target (graphdef, state), drafter, params, frozen, gamma, prompts per domain)``."""
+    import numpy as np
+    if args.quick:
+        from flax import nnx
+
+        from specjax.drafters import MTPConfig, shared_head
+        from specjax.models import get_preset, init_model
+        config = get_preset("tiny")
+        target = nnx.split(init_model(config, seed=0))
+        drafter, params = MTPDrafter.create(config, MTPConfig(shared=True), seed=0)
+        rng = np.random.default_rng(0)
+        prompts = {d: [rng.integers(1, config.vocab_size, size=args.prompt_len).tolist()
+                       for _ in range(args.prompts)] for d in args.domains}
+        return target, drafter, params, shared_head(target), args.gamma or 3, prompts
+    from experiments.offline_eval import load_trained
+    from experiments.quickstart import heldout_prompts
+    from experiments.reproduce_steps import target_config_of
+    from specjax.data.tokenizer import load_tokenizer
+    from specjax.training.drafter_task import load_target
+    from specjax.training.lm_task import model_config_from
+    from specjax.training.run import data_dir_of
+    run_cfg = target_config_of(args.target)
+    config = model_config_from(run_cfg)
+    target = load_target(config, args.target)
+    drafter, params, frozen, trained_gamma = load_trained(args.drafter, target[1])
+    if not isinstance(drafter, MTPDrafter):
+        raise SystemExit(f"mtp_window: {args.drafter} holds a {type(drafter).__name__}, "
+                         "not an MTP head")
+    tok = load_tokenizer(os.path.join(data_dir_of(run_cfg, config.vocab_size), "tokenizer.json"))
+    prompts = {d: heldout_prompts(tok, d, args.prompts, args.prompt_len) for d in args.domains}
+    return target, drafter, params, frozen, args.gamma or trained_gamma, prompts
+
+
+def run(args) -> dict:
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from specjax.engine import Engine, EngineConfig, Request
+    from specjax.models.generate import generate_timed
+    from specjax.scheduling import SchedulerConfig
+    target, drafter, params, frozen, gamma, prompts = _models(args)
+    wide = WideWindowMTP(drafter.config, drafter.target_config, drafter.graphdef)
+    model = nnx.merge(*target)
+    max_len = 64 * math.ceil((args.prompt_len + args.new_tokens + gamma + 2) / 64)
+
+    def engine(d, policy: str, g: int) -> Engine:
+        cfg = EngineConfig(num_slots=1, max_len=max_len, gamma=g, filters=False,
+                           prefill_buckets=(64,), loop="device", loop_steps=64,
+                           scheduler=SchedulerConfig(policy, k=g if policy == "fixed" else 0))
+        eng = Engine(target, d, params, frozen, cfg)
+        eng.warmup(profile=False)
+        return eng
+
+    engines = {"engine_none": engine(drafter, "none", 1), NARROW: engine(drafter, "fixed", gamma),
+               WIDE: engine(wide, "fixed", gamma)}
+    cells = []
+    for domain in args.domains:
+        for temp in args.temperatures:
+            ps = prompts[domain]
+
+            def plain():
+                return [generate_timed(model, [p], args.new_tokens, temperature=temp,
+                                       max_len=max_len, loop="device", seed=i).tokens[0]
+                        for i, p in enumerate(ps)], None
+
+            def served(eng):
+                def call():
+                    res = eng.generate([Request(prompt=p, max_new_tokens=args.new_tokens,
+                                                temperature=temp, seed=i)
+                                        for i, p in enumerate(ps)])
+                    return [list(r.tokens) for r in res], sum(r.steps for r in res)
+                return call
+
+            calls = {"generate": plain, **{n: served(e) for n, e in engines.items()}}
+            names = list(calls)
+            outs = {n: calls[n]() for n in names}  # warm-up (compiles), and the emitted tokens
+            times = {n: [] for n in names}
+            for r in range(args.reps):
+                for n in names[r % len(names):] + names[:r % len(names)]:
+                    t0 = time.perf_counter()
+                    calls[n]()
+                    times[n].append(time.perf_counter() - t0)
+            dec = {}
+            for n in names:
+                toks, steps = outs[n]
+                count = sum(map(len, toks))
+                dec[n] = {"wall_s": statistics.median(times[n]), "runs_s": times[n],
+                          "tokens": count, "tokens_per_s": count / statistics.median(times[n])}
+                if steps is not None and n != "engine_none":
+                    dec[n].update(steps=steps, tau=(count - len(ps)) / max(1, steps))
+            base = max(("generate", "engine_none"), key=lambda n: dec[n]["tokens_per_s"])
+            cell = {"domain": domain, "temperature": temp, "decoders": dec, "baseline": base,
+                    "same_tokens": outs[NARROW][0] == outs[WIDE][0],
+                    "narrow_over_wide": dec[NARROW]["tokens_per_s"] / dec[WIDE]["tokens_per_s"],
+                    "speedup": dec[NARROW]["tokens_per_s"] / dec[base]["tokens_per_s"],
+                    "speedup_wide": dec[WIDE]["tokens_per_s"] / dec[base]["tokens_per_s"]}
+            cells.append(cell)
+            print(f"  {domain:>5} T={temp:g}: plain {dec[base]['tokens_per_s']:6.0f} tokens/s "
+                  f"({base}); W={drafter.window(gamma)} {dec[NARROW]['tokens_per_s']:6.0f}, "
+                  f"W={2 * gamma} {dec[WIDE]['tokens_per_s']:6.0f} tokens/s (τ "
+                  f"{dec[NARROW]['tau']:.2f} / {dec[WIDE]['tau']:.2f}); narrow / wide "
+                  f"{cell['narrow_over_wide']:.2f}x; speed-up {cell['speedup']:.2f}x "
+                  f"(wide {cell['speedup_wide']:.2f}x)", flush=True)
+    ctx = args.prompt_len + args.new_tokens // 2
+    return {"machine": {"cpu": _cpu_name(), "cores": os.cpu_count(),
+                        "backend": jax.default_backend(),
+                        "device_kind": jax.devices()[0].device_kind},
+            "config": portable_values({k: v for k, v in vars(args).items() if k != "out"}),
+            "gamma": int(gamma), "max_len": max_len,
+            "window": drafter.window(gamma), "window_wide": 2 * gamma,
+            # model FLOPs of one draft step at mid-generation, the two windows
+            "flops_context": ctx,
+            "propose_flops": drafter.propose_flops(ctx, gamma),
+            "propose_flops_wide": drafter.propose_flops(ctx, gamma, max_verify=2 * gamma - 1),
+            "cells": cells,
+            "narrow_over_wide_median": float(np.median([c["narrow_over_wide"] for c in cells]))}
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", help="target workdir (the quickstart's target-<key>)")
+    p.add_argument("--drafter", help="MTP head workdir (the quickstart's mtp_e2e_tv_ws-<key>)")
+    p.add_argument("--quick", action="store_true", help="random tiny target, fresh MTP head")
+    p.add_argument("--gamma", type=int, default=None, help="draft length (default: trained γ)")
+    p.add_argument("--domains", nargs="+", default=["math", "code"])
+    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
+    p.add_argument("--prompts", type=int, default=2, help="held-out prompts per domain")
+    p.add_argument("--prompt_len", type=int, default=32)
+    p.add_argument("--new_tokens", type=int, default=128)
+    p.add_argument("--reps", type=int, default=7, help="timed runs per decoder and cell")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if not args.quick and not (args.target and args.drafter):
+        p.error("give --target and --drafter (workdirs), or --quick")
+    if args.reps < 1 or args.prompts < 1 or args.new_tokens < 1:
+        p.error("--reps, --prompts and --new_tokens must be >= 1")
+    if args.quick:
+        args.prompts, args.new_tokens, args.reps = 1, 16, 2
+        args.domains, args.temperatures = ["random"], [0.0]
+    out = args.out or (
+        os.path.join(tempfile.gettempdir(), "specjax_quick", "mtp_window.json") if args.quick
+        else os.path.join("benchmarks", "results", "mtp_window.json"))
+    result = run(args)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"median narrow / wide tokens/s: {result['narrow_over_wide_median']:.2f}x -> {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
