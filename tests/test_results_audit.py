@@ -933,6 +933,16 @@ def test_quoted_mtp_window_numbers_match_the_committed_results():
     assert f"the speed-up is {span('speedup')}x with the narrow window and " \
         f"{span('speedup_wide')}x with the wide one" in doc
     assert span("speedup") == "0.50-0.82"
+    # the noise control: at γ = 1 both windows are 2 positions (one program twice)
+    g1 = json.load(open(os.path.join(ROOT, "benchmarks", "results", "mtp_window_gamma1.json")))
+    assert (g1["gamma"], g1["window"], g1["window_wide"], g1["config"]["reps"]) == (1, 2, 2, 5)
+    assert all(c["same_tokens"] for c in g1["cells"])
+    ratios = [round(c["narrow_over_wide"], 2) for c in g1["cells"]]
+    assert f"the same ratio is {min(ratios):.2f}-{max(ratios):.2f}" in doc
+    speedups = [round(c["speedup"], 2) for c in g1["cells"]]
+    taus = [round(c["decoders"]["speculative"]["tau"], 2) for c in g1["cells"]]
+    assert (f"reached {min(speedups):.2f}-{max(speedups):.2f}x "
+            f"(τ {min(taus):.2f}-{max(taus):.2f})") in doc
 
 
 def test_quoted_tpu_engine_flops_numbers_match_the_committed_results():
