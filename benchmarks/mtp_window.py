@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import platform
 import statistics
@@ -86,21 +85,16 @@ def run(args) -> dict:
     import numpy as np
     from flax import nnx
 
-    from specjax.engine import Engine, EngineConfig, Request
+    from experiments.quickstart import b1_engine, b1_max_len
+    from specjax.engine import Request
     from specjax.models.generate import generate_timed
-    from specjax.scheduling import SchedulerConfig
     target, drafter, params, frozen, gamma, prompts = _models(args)
     wide = WideWindowMTP(drafter.config, drafter.target_config, drafter.graphdef)
     model = nnx.merge(*target)
-    max_len = 64 * math.ceil((args.prompt_len + args.new_tokens + gamma + 2) / 64)
+    max_len = b1_max_len(args.prompt_len, args.new_tokens, gamma)
 
-    def engine(d, policy: str, g: int) -> Engine:
-        cfg = EngineConfig(num_slots=1, max_len=max_len, gamma=g, filters=False,
-                           prefill_buckets=(64,), loop="device", loop_steps=64,
-                           scheduler=SchedulerConfig(policy, k=g if policy == "fixed" else 0))
-        eng = Engine(target, d, params, frozen, cfg)
-        eng.warmup(profile=False)
-        return eng
+    def engine(d, policy: str, g: int):
+        return b1_engine(target, d, params, frozen, max_len=max_len, policy=policy, gamma=g)
 
     engines = {"engine_none": engine(drafter, "none", 1), NARROW: engine(drafter, "fixed", gamma),
                WIDE: engine(wide, "fixed", gamma)}

@@ -186,6 +186,24 @@ def _median_time(fn, reps: int):
     return statistics.median(times), out
 
 
+def b1_max_len(prompt_len: int, new_tokens: int, gamma: int) -> int:
+    """Cache length of the B = 1 comparison: prompt, new tokens and a draft, in blocks of 64."""
+    return 64 * math.ceil((prompt_len + new_tokens + gamma + 2) / 64)
+
+
+def b1_engine(target, drafter, params, frozen, *, max_len: int, policy: str, gamma: int):
+    """A warmed-up one-slot engine (device loop) as the B = 1 comparison runs it: policy "none"
+    (plain decoding) or "fixed" (K = ``gamma``)."""
+    from specjax.engine import Engine, EngineConfig
+    from specjax.scheduling import SchedulerConfig
+    cfg = EngineConfig(num_slots=1, max_len=max_len, gamma=gamma, filters=False,
+                       prefill_buckets=(64,), loop="device", loop_steps=64,
+                       scheduler=SchedulerConfig(policy, k=gamma if policy == "fixed" else 0))
+    eng = Engine(target, drafter, params, frozen, cfg)
+    eng.warmup(profile=False)
+    return eng
+
+
 def speculative_vs_plain(model, head, tok, sizes: Sizes, *, domains=("math", "code"),
                          temperatures=(0.0, 1.0), log=print) -> dict:
     """Speculative engine (``head`` = ``(drafter, params, frozen, γ)``, fixed K = γ, device loop)
@@ -203,20 +221,14 @@ def speculative_vs_plain(model, head, tok, sizes: Sizes, *, domains=("math", "co
     """
     from flax import nnx
 
-    from specjax.engine import Engine, EngineConfig, Request
+    from specjax.engine import Request
     from specjax.models.generate import generate_timed
-    from specjax.scheduling import SchedulerConfig
     drafter, params, frozen, gamma = head
-    max_len = 64 * math.ceil((sizes.prompt_len + sizes.new_tokens + gamma + 2) / 64)
+    max_len = b1_max_len(sizes.prompt_len, sizes.new_tokens, gamma)
     target = nnx.split(model)
 
-    def engine(policy: str, g: int) -> Engine:
-        cfg = EngineConfig(num_slots=1, max_len=max_len, gamma=g, filters=False,
-                           prefill_buckets=(64,), loop="device", loop_steps=64,
-                           scheduler=SchedulerConfig(policy, k=g if policy == "fixed" else 0))
-        eng = Engine(target, drafter, params, frozen, cfg)
-        eng.warmup(profile=False)
-        return eng
+    def engine(policy: str, g: int):
+        return b1_engine(target, drafter, params, frozen, max_len=max_len, policy=policy, gamma=g)
 
     engines = {"engine_none": engine("none", 1), "speculative": engine("fixed", gamma)}
     cells = []
