@@ -1,16 +1,23 @@
-"""The MTP drafter's recomputed window, narrow against wide, on the same weights in the same run.
+"""The MTP drafter's draft step, as it is against as it was, on the same weights in the same run.
 
-Each MTP ``propose`` rewrites the last W positions of every chain depth's cache. W was
-``γ + K = 2γ`` until it was derived as the smallest window that keeps every draft exact,
-``max(K + 1, γ)`` (``γ + 1`` at the default K = γ; ``specjax/drafters/mtp.py``,
-``tests/test_drafters.py``). This times the speculative engine (fixed K = γ, device loop) with
-both windows (the wide one through a subclass that builds its state for ``2γ``), and the fastest
-plain decoder of the same weights (the faster of ``generate(loop="device")`` and the engine's
-policy "none"), one request at a time (B = 1) on held-out prompts per domain and temperature,
-as the quickstart's step 4 does. The decoders' timed runs alternate (the order rotates every
-round), so that a drift in the machine's speed falls on all of them alike; each figure is the
-median of ``--reps`` runs after a warm-up. The two windows draft the same q up to float rounding
-(tested), so they should emit the same tokens: the JSON says whether they did.
+Each MTP ``propose`` rewrites the last W positions of every chain depth's cache and runs each
+depth's block there. Two cuts made the step cheaper without changing a draft:
+
+* the window: W was ``γ + K = 2γ`` until it was derived as the smallest window that keeps every
+  draft exact, ``max(K + 1, γ)`` (``γ + 1`` at the default K = γ; ``specjax/drafters/mtp.py``,
+  ``tests/test_drafters.py``);
+* the last depth: only its output at the query position is read, so of the other positions it
+  computes the cache entries alone (``MTPDrafter.last_depth_queries``).
+
+This times the speculative engine (fixed K = γ, device loop) with three drafters of the same
+weights: ``speculative`` (both cuts), ``speculative_window_only`` (the window cut, the last depth
+at every position) and ``speculative_earlier`` (neither: the draft step as it was), against the
+fastest plain decoder (the faster of ``generate(loop="device")`` and the engine's policy "none"),
+one request at a time (B = 1) on held-out prompts per domain and temperature, as the quickstart's
+step 4 does. The decoders' timed runs alternate (the order rotates every round), so that a drift
+in the machine's speed falls on all of them alike; each figure is the median of ``--reps`` runs
+after a warm-up. The three drafters draft the same q up to float rounding, so they should emit
+the same tokens: the JSON says whether they did.
 
 Run:
     python -m benchmarks.mtp_window --target <quickstart dir>/target-<key> \\
@@ -29,21 +36,32 @@ import platform
 import statistics
 import tempfile
 import time
+from typing import ClassVar, Optional
 
 from specjax.drafters import MTPDrafter
 from specjax.paths import portable_values
 
-NARROW, WIDE = "speculative", "speculative_wide"
+
+@dataclasses.dataclass(frozen=True)
+class WindowOnlyMTP(MTPDrafter):
+    """The MTP drafter with its last depth's block run at every window position."""
+
+    last_depth_queries: ClassVar[Optional[int]] = None
 
 
 @dataclasses.dataclass(frozen=True)
-class WideWindowMTP(MTPDrafter):
-    """The MTP drafter with the window it had before: ``γ + K`` positions per depth."""
+class EarlierMTP(WindowOnlyMTP):
+    """The MTP draft step as it was: a window of ``γ + K`` positions, the last depth's block at
+    every one of them."""
 
-    def init_state(self, batch, max_len, gamma, max_verify=None):
-        k = gamma if max_verify is None else max_verify
-        # window(γ, γ + K - 1) = max(γ + K, γ) = γ + K
-        return super().init_state(batch, max_len, gamma, max_verify=gamma + k - 1)
+    @staticmethod
+    def window(gamma: int, max_verify: Optional[int] = None) -> int:
+        return gamma + (gamma if max_verify is None else max_verify)
+
+
+# engine name -> drafter class
+VARIANTS = {"speculative": MTPDrafter, "speculative_window_only": WindowOnlyMTP,
+            "speculative_earlier": EarlierMTP}
 
 
 def _models(args):
@@ -89,15 +107,16 @@ def run(args) -> dict:
     from specjax.engine import Request
     from specjax.models.generate import generate_timed
     target, drafter, params, frozen, gamma, prompts = _models(args)
-    wide = WideWindowMTP(drafter.config, drafter.target_config, drafter.graphdef)
+    drafters = {n: cls(drafter.config, drafter.target_config, drafter.graphdef)
+                for n, cls in VARIANTS.items()}
     model = nnx.merge(*target)
     max_len = b1_max_len(args.prompt_len, args.new_tokens, gamma)
 
     def engine(d, policy: str, g: int):
         return b1_engine(target, d, params, frozen, max_len=max_len, policy=policy, gamma=g)
 
-    engines = {"engine_none": engine(drafter, "none", 1), NARROW: engine(drafter, "fixed", gamma),
-               WIDE: engine(wide, "fixed", gamma)}
+    engines = {"engine_none": engine(drafter, "none", 1),
+               **{n: engine(d, "fixed", gamma) for n, d in drafters.items()}}
     cells = []
     for domain in args.domains:
         for temp in args.temperatures:
@@ -131,34 +150,41 @@ def run(args) -> dict:
                 count = sum(map(len, toks))
                 dec[n] = {"wall_s": statistics.median(times[n]), "runs_s": times[n],
                           "tokens": count, "tokens_per_s": count / statistics.median(times[n])}
-                if steps is not None and n != "engine_none":
+                if n in VARIANTS:
                     dec[n].update(steps=steps, tau=(count - len(ps)) / max(1, steps))
             base = max(("generate", "engine_none"), key=lambda n: dec[n]["tokens_per_s"])
+            rate = {n: dec[n]["tokens_per_s"] for n in names}
             cell = {"domain": domain, "temperature": temp, "decoders": dec, "baseline": base,
-                    "same_tokens": outs[NARROW][0] == outs[WIDE][0],
-                    "narrow_over_wide": dec[NARROW]["tokens_per_s"] / dec[WIDE]["tokens_per_s"],
-                    "speedup": dec[NARROW]["tokens_per_s"] / dec[base]["tokens_per_s"],
-                    "speedup_wide": dec[WIDE]["tokens_per_s"] / dec[base]["tokens_per_s"]}
+                    "same_tokens": all(outs[n][0] == outs["speculative"][0] for n in VARIANTS),
+                    # tokens/s ratios, each pair from this run
+                    "over_earlier": rate["speculative"] / rate["speculative_earlier"],
+                    "window_over_earlier": (rate["speculative_window_only"] /
+                                            rate["speculative_earlier"]),
+                    "last_depth_over_window": (rate["speculative"] /
+                                               rate["speculative_window_only"]),
+                    "speedup": {n: rate[n] / rate[base] for n in VARIANTS}}
             cells.append(cell)
-            print(f"  {domain:>5} T={temp:g}: plain {dec[base]['tokens_per_s']:6.0f} tokens/s "
-                  f"({base}); W={drafter.window(gamma)} {dec[NARROW]['tokens_per_s']:6.0f}, "
-                  f"W={2 * gamma} {dec[WIDE]['tokens_per_s']:6.0f} tokens/s (τ "
-                  f"{dec[NARROW]['tau']:.2f} / {dec[WIDE]['tau']:.2f}); narrow / wide "
-                  f"{cell['narrow_over_wide']:.2f}x; speed-up {cell['speedup']:.2f}x "
-                  f"(wide {cell['speedup_wide']:.2f}x)", flush=True)
+            print(f"  {domain:>5} T={temp:g}: plain {rate[base]:6.0f} tokens/s ({base}); "
+                  + ", ".join(f"{n} {rate[n]:6.0f}" for n in VARIANTS)
+                  + f" (τ {dec['speculative']['tau']:.2f}); now / earlier "
+                  f"{cell['over_earlier']:.3f}x (window {cell['window_over_earlier']:.3f}x, "
+                  f"then last depth {cell['last_depth_over_window']:.3f}x); speed-up "
+                  f"{cell['speedup']['speculative']:.2f}x (earlier "
+                  f"{cell['speedup']['speculative_earlier']:.2f}x)", flush=True)
     ctx = args.prompt_len + args.new_tokens // 2
     return {"machine": {"cpu": _cpu_name(), "cores": os.cpu_count(),
                         "backend": jax.default_backend(),
                         "device_kind": jax.devices()[0].device_kind},
             "config": portable_values({k: v for k, v in vars(args).items() if k != "out"}),
             "gamma": int(gamma), "max_len": max_len,
-            "window": drafter.window(gamma), "window_wide": 2 * gamma,
-            # model FLOPs of one draft step at mid-generation, the two windows
+            # per drafter: its window and the model FLOPs of one row's draft step at
+            # mid-generation (flops_context cached positions)
             "flops_context": ctx,
-            "propose_flops": drafter.propose_flops(ctx, gamma),
-            "propose_flops_wide": drafter.propose_flops(ctx, gamma, max_verify=2 * gamma - 1),
+            "drafters": {n: {"window": d.window(gamma),
+                             "propose_flops": d.propose_flops(ctx, gamma)}
+                         for n, d in drafters.items()},
             "cells": cells,
-            "narrow_over_wide_median": float(np.median([c["narrow_over_wide"] for c in cells]))}
+            "over_earlier_median": float(np.median([c["over_earlier"] for c in cells]))}
 
 
 def _cpu_name() -> str:
@@ -198,7 +224,7 @@ def main(argv=None) -> dict:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"median narrow / wide tokens/s: {result['narrow_over_wide_median']:.2f}x -> {out}")
+    print(f"median tokens/s now / earlier: {result['over_earlier_median']:.3f}x -> {out}")
     return result
 
 

@@ -126,7 +126,8 @@ def test_engine_steps_compile_at_their_model_flops(variant):
     bucket of 16 tokens is every slot's γ + 1 (no padding of the ``[slots, γ+1]`` grid). Two
     things the HLO count does not see: the DSpark confidence head's matrix-vector product (run as
     a multiply and a reduce; under 0.1 % here), and the attention of a single query, which TPU
-    also compiles without a dot: the draft LM's γ − 1 one-token steps, taken off below."""
+    also compiles without a dot: the draft LM's γ − 1 one-token steps and the MTP draft's last
+    depth (one query per slot), taken off below."""
     from experiments.configs.train_drafter import get_config
     from specjax.models import get_preset
     from specjax.models.flops import attention_flops_per_query
@@ -138,9 +139,11 @@ def test_engine_steps_compile_at_their_model_flops(variant):
     shapes = aot.EngineShapes(num_slots=slots, max_len=128, gamma=gamma, buckets=(16,),
                               prefill_chunk=16, loop_steps=0, flops_context=ctx)
     unseen = 0.0
+    drafter = build_drafter(task, target)[0]
     if variant == "draft_lm":
-        draft_model = build_drafter(task, target)[0].config
-        unseen = slots * (gamma - 1) * attention_flops_per_query(draft_model, ctx)
+        unseen = slots * (gamma - 1) * attention_flops_per_query(drafter.config, ctx)
+    elif variant.startswith("mtp"):
+        unseen = slots * attention_flops_per_query(drafter.config.block_config(target), ctx)
     for p in aot.engine_steps(target, task, mesh, shapes):
         if variant in ("dspark_rnn", "dflash") and p.name != "engine.draft":
             continue  # the same verification and prefill programs as DSpark-Markov's

@@ -236,6 +236,21 @@ def test_mtp_window_is_the_smallest_that_keeps_propose_exact(monkeypatch, max_ve
     assert worst > 1e-2, worst
 
 
+def test_mtp_last_depth_at_its_query_only_drafts_as_the_whole_block(monkeypatch):
+    """The last depth runs its block at the query position only (keys / values everywhere):
+    the same q at every step as running it at every window position, and the same cache."""
+    rows = len(PROMPT_LENS)
+    assert MTPDrafter.last_depth_queries == 1
+    cut = _decode("mtp", n_same=0)
+    monkeypatch.setattr(MTPDrafter, "last_depth_queries", None)
+    full = _decode("mtp", n_same=0)
+    assert len(cut) == len(full) == len(ACCEPT) + 1
+    for s, (a, b) in enumerate(zip(cut, full)):
+        assert a.probs.shape == (rows, GAMMA, VOCAB)
+        np.testing.assert_allclose(a.probs, b.probs, atol=1e-6, err_msg=f"step {s}")
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
 def test_mtp_window_errors():
     assert MTPDrafter.window(3, 0) == 3 and MTPDrafter.window(1) == 2
     with pytest.raises(ValueError, match="gamma >= 1"):

@@ -12,20 +12,31 @@ from specjax.models.transformer import Block, grouped_attention
 _NEG_INF = -1e30
 
 
-def block_forward(layer: Block, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, attend):
+def block_forward(layer: Block, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, attend,
+                  queries: int | None = None):
     """One pre-norm block with a custom attention: ``attend(q, k, v) -> out``.
 
-    ``x [B, T, D]``, ``positions int32 [B, T]``; q ``[B, T, H, Dh]``, k/v ``[B, T, KVH, Dh]``
-    (RoPE'd at ``positions``).
+    ``x [B, T, D]``, ``positions int32 [B, T]``; q ``[B, Q, H, Dh]``, k/v ``[B, T, KVH, Dh]``
+    (RoPE'd at ``positions``). ``queries``: only the last Q = ``queries`` positions are queries
+    (default all T): every position's keys / values are still computed (for a cache), but the
+    query projection, attention output and MLP run on the last Q, and the block returns
+    ``[B, Q, D]``, equal to those positions of the full block's output.
     """
-    q, k, v = layer.attn.project(layer.input_norm(x), positions, inv_freq)
+    h = layer.input_norm(x)
+    if queries is None:
+        q, k, v = layer.attn.project(h, positions, inv_freq)
+    else:
+        q = layer.attn.project(h[:, -queries:], positions[:, -queries:], inv_freq)[0]
+        k, v = project_kv(layer, h, positions, inv_freq)
+        x = x[:, -queries:]
     x = x + layer.attn.output(attend(q, k, v))
     return x + layer.mlp(layer.post_attn_norm(x))
 
 
 def project_kv(layer: Block, x: jax.Array, positions: jax.Array, inv_freq: jax.Array):
-    """Keys / values of ``x [B, T, D]`` under ``layer``'s attention (no input norm): the DFlash
-    context injection ``K = W_K H_ctx, V = W_V H_ctx`` (with the layer's k-norm and RoPE)."""
+    """Keys / values of ``x [B, T, D]`` under ``layer``'s attention (no input norm; the k path of
+    ``layer.attn.project``): the DFlash context injection ``K = W_K H_ctx, V = W_V H_ctx`` (with
+    the layer's k-norm and RoPE)."""
     attn = layer.attn
     dt = x.dtype
     k = jnp.einsum("btd,dhk->bthk", x, attn.k_proj[...].astype(dt))

@@ -36,13 +36,14 @@ positions ``j > n - 1 - k`` use the drafts where teacher-forced training uses th
 when the drafts are accepted the two coincide.
 
 Cost per step: γ block applications on W = γ + 1 window tokens at the default K (attention against
-the smallest window bucket of the cache that holds the context) plus γ LM-head rows; state: γ
-single-layer KV caches.
+the smallest window bucket of the cache that holds the context), of the last depth only the keys /
+values but at its query position (nothing reads the rest of its output), plus γ LM-head rows;
+state: γ single-layer KV caches.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
@@ -134,19 +135,24 @@ class MTPState:
 
 
 def _depth(head: MTPHead, frozen: SharedHead, h_prev, toks, positions, inv_freq, cache=None,
-           write_positions=None):
-    """One chain depth over ``[B, T]`` positions; returns ``(h^k [B, T, D], (k, v) or None)``."""
+           write_positions=None, queries=None):
+    """One chain depth over ``[B, T]`` positions; returns ``(h^k [B, Q, D], (k, v) or None)``:
+    ``Q = queries`` last positions (default all T; with a cache only) get the block's output,
+    every position its keys / values."""
     x = head.combine(h_prev, frozen.embed_tokens(toks))
     written = []
+    q_positions = positions if queries is None else positions[:, -queries:]
 
     def attend(q, k, v):
         if cache is None:
             return causal_self_attention(q, k, v, positions)
-        out, ck, cv = cached_attention(q, k, v, positions, cache[0], cache[1], write_positions)
+        out, ck, cv = cached_attention(q, k, v, q_positions, cache[0], cache[1], write_positions)
         written.append((ck, cv))
         return out
 
-    h = block_forward(head.block, x, positions, inv_freq, attend)
+    if queries is not None and cache is None:
+        raise ValueError("_depth: queries needs a cache (causal self-attention takes all T)")
+    h = block_forward(head.block, x, positions, inv_freq, attend, queries=queries)
     return h, (written[0] if written else None)
 
 
@@ -168,6 +174,10 @@ class MTPDrafter:
     config: MTPConfig
     target_config: ModelConfig
     graphdef: nnx.GraphDef
+    # Queries of the last depth's block in propose: 1, since only its output at the query position
+    # is read (its keys / values are computed at every window position); None runs the whole
+    # block at every position, as before (benchmarks/mtp_window.py times both).
+    last_depth_queries: ClassVar[Optional[int]] = 1
 
     @staticmethod
     def create(target_config: ModelConfig, config: MTPConfig = MTPConfig(), seed: int = 0):
@@ -285,8 +295,10 @@ class MTPDrafter:
             toks = jnp.concatenate([state.tokens] + [x[:, None] for x in drafts], axis=1)
             toks = toks[:, depth - 1: depth - 1 + w]
             head = module.head(depth)
+            # the last depth's output is read at the query position only (its cache everywhere)
             h, (ck, cv) = _depth(head, frozen, h, toks, positions, inv_freq,
-                                 (state.k[depth - 1], state.v[depth - 1]), write_pos)
+                                 (state.k[depth - 1], state.v[depth - 1]), write_pos,
+                                 queries=self.last_depth_queries if depth == gamma else None)
             ks.append(ck)
             vs.append(cv)
             logits = frozen.lm_logits(head.norm(h[:, -1]), normed=True)
@@ -312,9 +324,14 @@ class MTPDrafter:
     def propose_flops(self, context: int, gamma: int, max_verify: Optional[int] = None) -> float:
         """Forward FLOPs of one row's :meth:`propose`: every depth recomputes the window of
         ``W = max(max_verify + 1, γ)`` positions (:meth:`window`), attending to ``context`` cached
-        positions, and runs the shared LM head at its last position."""
+        positions, and runs the shared LM head at its last position; of the last depth, whose
+        output only its last position reads, the other ``W - 1`` positions compute their cache
+        entries alone."""
         w = self.window(gamma, max_verify)
-        return gamma * (w * self._depth_flops(context) + lm_head_flops_per_row(self.target_config))
+        q = w if self.last_depth_queries is None else min(self.last_depth_queries, w)
+        depths = ((gamma - 1) * w + q) * self._depth_flops(context) + \
+            (w - q) * self._depth_flops(context, cache_only=True)
+        return depths + gamma * lm_head_flops_per_row(self.target_config)
 
     def prefill_flops(self, rows: int, chunk: int, context: int, gamma: int) -> float:
         """Forward FLOPs of :meth:`prefill` of ``rows`` prompt chunks of ``chunk`` tokens: each
