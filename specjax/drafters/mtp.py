@@ -36,9 +36,9 @@ positions ``j > n - 1 - k`` use the drafts where teacher-forced training uses th
 when the drafts are accepted the two coincide.
 
 Cost per step: γ block applications on W = γ + 1 window tokens at the default K (attention against
-the smallest window bucket of the cache that holds the context), of the last depth only the keys /
-values but at its query position (nothing reads the rest of its output), plus γ LM-head rows;
-state: γ single-layer KV caches.
+the smallest window bucket of the cache that holds the context; the last depth, whose output is
+read at its query position only, computes just keys / values at the other positions), plus γ
+LM-head rows; state: γ single-layer KV caches.
 """
 from __future__ import annotations
 
