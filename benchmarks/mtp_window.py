@@ -17,7 +17,10 @@ one request at a time (B = 1) on held-out prompts per domain and temperature, as
 step 4 does. The decoders' timed runs alternate (the order rotates every round), so that a drift
 in the machine's speed falls on all of them alike; each figure is the median of ``--reps`` runs
 after a warm-up. The three drafters draft the same q up to float rounding, so they should emit
-the same tokens: the JSON says whether they did.
+the same tokens: the JSON says whether they did. The pieces of a step are also timed alone, each
+inside a jitted loop at ``flops_context`` cached positions and T = 1 (``step_costs``: the draft
+step of each drafter, a full verification and a plain decode step, as
+``benchmarks/spec_vs_plain.py`` times them).
 
 Run:
     python -m benchmarks.mtp_window --target <quickstart dir>/target-<key> \\
@@ -103,6 +106,7 @@ def run(args) -> dict:
     import numpy as np
     from flax import nnx
 
+    from benchmarks.spec_vs_plain import _step_costs
     from experiments.quickstart import b1_engine, b1_max_len
     from specjax.engine import Request
     from specjax.models.generate import generate_timed
@@ -172,6 +176,12 @@ def run(args) -> dict:
                   f"{cell['speedup']['speculative']:.2f}x (earlier "
                   f"{cell['speedup']['speculative_earlier']:.2f}x)", flush=True)
     ctx = args.prompt_len + args.new_tokens // 2
+    # each piece alone, in a device loop at the mid-generation context (T = 1)
+    costs = {n: _step_costs(engines[n], args.reps, ctx, 1.0) for n in VARIANTS}
+    print("  step costs (ms): " + ", ".join(f"{n} draft {c['draft_s'] * 1e3:.3f}"
+                                           for n, c in costs.items())
+          + f"; verify {costs['speculative']['verify_s'] * 1e3:.3f}, plain "
+          f"{costs['speculative']['plain_s'] * 1e3:.3f}", flush=True)
     return {"machine": {"cpu": _cpu_name(), "cores": os.cpu_count(),
                         "backend": jax.default_backend(),
                         "device_kind": jax.devices()[0].device_kind},
@@ -183,6 +193,7 @@ def run(args) -> dict:
             "drafters": {n: {"window": d.window(gamma),
                              "propose_flops": d.propose_flops(ctx, gamma)}
                          for n, d in drafters.items()},
+            "step_costs": costs,
             "cells": cells,
             "over_earlier_median": float(np.median([c["over_earlier"] for c in cells]))}
 

@@ -942,6 +942,21 @@ def test_quoted_mtp_window_numbers_match_the_committed_results():
             f"{span(cells, lambda c: c['speedup']['speculative_earlier'])}x as it was") in doc
     assert f"{now}x the tokens/s of the draft step as it was" in readme
     assert f"they made the MTP engine {now}x faster end to end" in doc
+    # each piece timed alone
+    costs = [r["step_costs"] for r in runs]
+    assert {c[n]["context"] for c in costs for n in c} == {96}
+    assert {c[n]["temperature"] for c in costs for n in c} == {1.0}
+
+    def ms(key, name="speculative"):
+        return " and ".join(f"{c[name][key] * 1e3:.2f}" for c in costs)
+    ratios = " and ".join(
+        f"{c['speculative']['draft_s'] / c['speculative_earlier']['draft_s']:.2f}x" for c in costs)
+    assert (f"the draft step took {ms('draft_s')} ms now against "
+            f"{ms('draft_s', 'speculative_earlier')} ms as it was ({ratios})") in doc
+    assert (f"a verification of {ms('verify_s')} ms and a plain decode step of "
+            f"{ms('plain_s')} ms") in doc
+    # "under half of a speculative step" (draft + verification)
+    assert all(c["speculative"]["draft_s"] < c["speculative"]["verify_s"] for c in costs)
     # the noise control: at γ = 1 the window is 2 positions either way, and the window-only and
     # the earlier drafter run one program
     g1 = json.load(open(os.path.join(ROOT, "benchmarks", "results", "mtp_window_gamma1.json")))
