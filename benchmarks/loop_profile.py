@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
-import json
 import os
 import platform
 import statistics
@@ -37,7 +36,7 @@ import sys
 import tempfile
 import time
 
-from specjax.paths import portable_values
+from specjax.paths import dump_json, portable_values
 
 MODULE = "run_loop"  # the device loop's jitted function (specjax.engine.device_loop.run_loop)
 
@@ -261,9 +260,7 @@ def main(argv=None):
                                f"--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*{MODULE}.*")
     result = profile(args, dump_dir)
     _print(result, args.top)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    dump_json(args.out, result)
     print(f"\nwrote {args.out}")
     return result
 

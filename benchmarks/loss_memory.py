@@ -29,7 +29,6 @@ Numbers are backend-specific (XLA's fusion and buffer assignment differ between 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import tempfile
@@ -39,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import losses as L
+from specjax.paths import dump_json
 
 MIB = 2**20
 
@@ -136,9 +136,7 @@ def main(argv=None) -> dict:
         "platform": platform.platform(),
         "rows": rows,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    dump_json(args.out, result)
 
     print()
     print(f"V = {args.vocab}, γ = {args.gamma}, backend = {result['backend']}; "

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import platform
 import statistics
@@ -53,6 +52,7 @@ from flax import nnx
 from specjax.models import apply, cached_forward, get_preset, init_cache, init_model
 from specjax.models.config import ModelConfig
 from specjax.models.flops import matmul_params
+from specjax.paths import dump_json
 
 
 def decode_read_bytes(config: ModelConfig, batch: int, context: int) -> int:
@@ -232,10 +232,8 @@ def main(argv=None):
                 _print_table(name, loop, r["params"], r["batch"], r["context"], figures)
         # after each preset, marked partial: a run stopped by a time limit (device_check.sh's
         # steps have one) keeps the presets it measured
-        with open(args.out, "w") as f:
-            json.dump({**results, "partial": True}, f, indent=1)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+        dump_json(args.out, {**results, "partial": True})
+    dump_json(args.out, results)
     print(f"\nwrote {args.out}")
     return results
 

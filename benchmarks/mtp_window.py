@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import statistics
@@ -42,7 +41,8 @@ import time
 from typing import ClassVar, Optional
 
 from specjax.drafters import MTPDrafter
-from specjax.paths import portable_values
+from specjax.machine import cpu_model
+from specjax.paths import dump_json, portable_values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +182,7 @@ def run(args) -> dict:
                                            for n, c in costs.items())
           + f"; verify {costs['speculative']['verify_s'] * 1e3:.3f}, plain "
           f"{costs['speculative']['plain_s'] * 1e3:.3f}", flush=True)
-    return {"machine": {"cpu": _cpu_name(), "cores": os.cpu_count(),
+    return {"machine": {"cpu": cpu_model() or platform.processor() or platform.machine(), "cores": os.cpu_count(),
                         "backend": jax.default_backend(),
                         "device_kind": jax.devices()[0].device_kind},
             "config": portable_values({k: v for k, v in vars(args).items() if k != "out"}),
@@ -196,15 +196,6 @@ def run(args) -> dict:
             "step_costs": costs,
             "cells": cells,
             "over_earlier_median": float(np.median([c["over_earlier"] for c in cells]))}
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def main(argv=None) -> dict:
@@ -232,9 +223,7 @@ def main(argv=None) -> dict:
         os.path.join(tempfile.gettempdir(), "specjax_quick", "mtp_window.json") if args.quick
         else os.path.join("benchmarks", "results", "mtp_window.json"))
     result = run(args)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+    dump_json(out, result)
     print(f"median tokens/s now / earlier: {result['over_earlier_median']:.3f}x -> {out}")
     return result
 

@@ -32,7 +32,6 @@ e2e-TV head ``<study workdir>/adapt/e2e_tv_g3_c256_t1.0``)::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -42,7 +41,7 @@ import time
 import jax
 import numpy as np
 
-from specjax.paths import portable_argv, portable_values
+from specjax.paths import dump_json, portable_argv, portable_values
 
 
 def measure(model, drafter, dparams, prompts: list[list[int]], *, eos_id: int, gamma: int,
@@ -167,9 +166,7 @@ def main(argv=None) -> None:
                      "backend": jax.default_backend()},
          "config": portable_values(vars(args)), "argv": portable_argv(sys.argv[1:]),
          "target_params": model.config.num_params(), **r}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(r, f, indent=1)
+    dump_json(args.out, r)
     d = r["decoders"]
     print(f"{r['sequences']} sequences; tokens/s: " + ", ".join(
         f"{n} {d[n]['tokens_per_s']:.0f}" for n in d))

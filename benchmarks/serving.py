@@ -35,7 +35,8 @@ import numpy as np
 
 from benchmarks.serving_report import CALIBRATED, goals, plot_pareto, write_markdown
 from specjax.engine import Engine, EngineConfig, Request
-from specjax.paths import portable_argv, portable_values
+from specjax.machine import cpu_model
+from specjax.paths import dump_json, portable_argv, portable_values
 from specjax.scheduling import SchedulerConfig
 
 # The --policies choices are these and their calibrated variants, CALIBRATED ("<policy>+cal").
@@ -209,10 +210,8 @@ def poisson(target, drafter, params, frozen, cfg, prompts, max_new, temperature,
 
 
 def _machine() -> str:
-    cpu = platform.machine()
+    cpu = cpu_model() or platform.machine()
     try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
         load = open("/proc/loadavg").read().split()[0]
     except OSError:
         load = "?"
@@ -256,8 +255,7 @@ def main(argv=None):
         with open(args.render) as f:
             report = json.load(f)
         report["goals"] = goals(report)
-        with open(args.render, "w") as f:
-            json.dump(report, f, indent=1)
+        dump_json(args.render, report)
         write_markdown(report, args.md, report.get("argv"))
         plot_pareto(report, os.path.splitext(args.render)[0] + "_pareto.png")
         print(f"re-rendered {args.md} from {args.render}")
@@ -362,9 +360,7 @@ def main(argv=None):
                                                      own.get(_base_policy(p), prof), stop)
                 print(f"poisson {rate}/s {p}: {report['poisson'][rate][p]}", flush=True)
     report["goals"] = goals(report)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    dump_json(args.out, report)
     write_markdown(report, args.md, report["argv"])
     plot_pareto(report, os.path.splitext(args.out)[0] + "_pareto.png")
     print(f"wrote {args.out}, {args.md}")

@@ -35,7 +35,7 @@ import time
 import jax
 import numpy as np
 
-from specjax.paths import portable_argv, portable_values
+from specjax.paths import dump_json, portable_argv, portable_values
 
 PLAIN = ("generate_host", "generate", "engine_none")
 
@@ -351,8 +351,7 @@ def main(argv=None):
         res["max_len_sweep"] = max_len_sweep(model, nnx.split(model), res.pop("_tok"), args)
     res.pop("_model", None), res.pop("_tok", None)
     res["argv"] = cmd
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    dump_json(args.out, res)
     print(f"wrote {args.out}")
     if args.md or args.png:
         render(res, args.md or os.devnull, args.png or os.path.splitext(args.out)[0] + ".png")

@@ -48,22 +48,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from specjax import verify as V  # noqa: E402
+from specjax.machine import cpu_model  # noqa: E402
 
 try:  # optional baseline
     import torch
 except Exception:  # pragma: no cover - torch is optional
     torch = None
-
-
-def _cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 _MIN_MS = {}  # the fastest repetition of the last measurement, recorded next to the median
@@ -259,7 +249,7 @@ def main(argv=None):
         command=" ".join([os.path.basename(sys.executable), "benchmarks/verify_throughput.py"] + (argv if argv is not None else sys.argv[1:])),
         machine=dict(
             platform=platform.platform(),
-            processor=_cpu_model(),
+            processor=cpu_model() or platform.processor(),
             cpu_count=os.cpu_count(),
             python=platform.python_version(),
             jax=jax.__version__,

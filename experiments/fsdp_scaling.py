@@ -75,12 +75,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 
 from specjax import aot
 from specjax.losses import tv as tv_losses
 from specjax.models import get_preset, partitioning
+from specjax.paths import dump_json
 
 TOPOLOGIES = (("v5e:2x2", 4), ("v5e:4x4", 16))
 # --study chunk: (model, topology, chips, vocabulary or None for the model's own)
@@ -370,9 +369,7 @@ def main(argv=None) -> list:
     studies = {"chunk": chunk_study, "tiling": tiling_study, "rounding": rounding_study,
                "accum": accum_study, "width": width_study, "remat": remat_study}
     rows = studies.get(args.study, lambda: batch_study(args.quick, args.vocab))()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(rows, f, indent=1)
+    dump_json(args.out, rows)
     print(f"wrote {args.out}")
     return rows
 

@@ -40,6 +40,7 @@ import shutil
 import sys
 import time
 
+from specjax.machine import cpu_model
 from specjax.paths import portable_argv, portable_path
 
 from experiments.reproduce_steps import (MODES, Mode, _log, drafter_config, dspark_run_name,
@@ -62,12 +63,10 @@ def parse_cell(cell: str) -> tuple[str, float]:
 def machine_info() -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(),
             "cpus": os.cpu_count()}
+    cpu = cpu_model()
+    if cpu:
+        info["cpu"] = cpu
     try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
         info["loadavg"] = open("/proc/loadavg").read().split()[:3]
     except OSError:
         pass

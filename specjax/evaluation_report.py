@@ -5,12 +5,12 @@ target's entropy) from :func:`specjax.evaluation_stats.summarize` results. Also 
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+
+from specjax.paths import dump_json
 
 __all__ = ["to_jsonable", "results_markdown", "plot_acceptance_per_position",
            "plot_acceptance_vs_entropy", "write_json"]
@@ -143,7 +143,5 @@ def plot_acceptance_vs_entropy(path: str, series: Mapping[str, Mapping[str, dict
 
 
 def write_json(path: str, obj: Any) -> str:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(to_jsonable(obj), f, indent=1, sort_keys=True)
-    return path
+    """:func:`to_jsonable` of ``obj`` written to ``path`` with sorted keys; returns ``path``."""
+    return dump_json(path, to_jsonable(obj), sort_keys=True)

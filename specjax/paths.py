@@ -2,6 +2,7 @@
 root when run as documented) or to ``~``, never an absolute path of the machine that ran them."""
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Sequence
 
@@ -36,3 +37,12 @@ def portable_values(d: dict[str, Any]) -> dict[str, Any]:
     """A shallow copy of ``d`` whose absolute / ``~`` string values are portable paths."""
     return {k: portable_path(v) if isinstance(v, str) and v.startswith(("/", "~")) else v
             for k, v in d.items()}
+
+
+def dump_json(path: str, obj: Any, *, sort_keys: bool = False) -> str:
+    """Writes ``obj`` to ``path`` as JSON indented by one space (the committed results' format),
+    creating the directory first; returns ``path``. ``obj`` must already be JSON-serialisable."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=sort_keys)
+    return path
