@@ -132,19 +132,10 @@ def _engine(args):
     else:
         from benchmarks.spec_vs_plain import _prompts
         from experiments.offline_eval import load_trained
-        from experiments.reproduce_steps import target_config_of
-        from specjax.data.tokenizer import load_tokenizer
-        from specjax.training.drafter_task import load_target
-        from specjax.training.lm_task import model_config_from
-        from specjax.training.run import data_dir_of
-        run_cfg = target_config_of(args.target)
-        config = model_config_from(run_cfg)
-        graphdef, tparams = load_target(config, args.target)
-        target = (graphdef, tparams)
-        drafter, params, frozen, trained_gamma = load_trained(args.drafter, tparams)
+        from experiments.reproduce_steps import load_target_run
+        _, target, tok = load_target_run(args.target)
+        drafter, params, frozen, trained_gamma = load_trained(args.drafter, target[1])
         gamma = args.gamma or trained_gamma
-        tok = load_tokenizer(os.path.join(data_dir_of(run_cfg, config.vocab_size),
-                                          "tokenizer.json"))
         prompts = _prompts(tok, args.domain, args.batch, args.prompt_len)
     cfg = EngineConfig(num_slots=args.batch, max_len=args.max_len, gamma=gamma, filters=False,
                        prefill_buckets=(64,), loop="device", loop_steps=64,

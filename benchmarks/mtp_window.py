@@ -84,19 +84,12 @@ def _models(args):
         return target, drafter, params, shared_head(target), args.gamma or 3, prompts
     from experiments.offline_eval import load_trained
     from experiments.quickstart import heldout_prompts
-    from experiments.reproduce_steps import target_config_of
-    from specjax.data.tokenizer import load_tokenizer
-    from specjax.training.drafter_task import load_target
-    from specjax.training.lm_task import model_config_from
-    from specjax.training.run import data_dir_of
-    run_cfg = target_config_of(args.target)
-    config = model_config_from(run_cfg)
-    target = load_target(config, args.target)
+    from experiments.reproduce_steps import load_target_run
+    _, target, tok = load_target_run(args.target)
     drafter, params, frozen, trained_gamma = load_trained(args.drafter, target[1])
     if not isinstance(drafter, MTPDrafter):
         raise SystemExit(f"mtp_window: {args.drafter} holds a {type(drafter).__name__}, "
                          "not an MTP head")
-    tok = load_tokenizer(os.path.join(data_dir_of(run_cfg, config.vocab_size), "tokenizer.json"))
     prompts = {d: heldout_prompts(tok, d, args.prompts, args.prompt_len) for d in args.domains}
     return target, drafter, params, frozen, args.gamma or trained_gamma, prompts
 

@@ -132,17 +132,10 @@ def run(args, on_cell=None) -> dict:
     from flax import nnx
 
     from experiments.offline_eval import load_trained
-    from specjax.models.generate import generate_timed
-    from experiments.reproduce_steps import target_config_of
+    from experiments.reproduce_steps import load_target_run
     from specjax.drafters import NGramDrafter
-    from specjax.data.tokenizer import load_tokenizer
-    from specjax.training.drafter_task import load_target
-    from specjax.training.lm_task import model_config_from
-    from specjax.training.run import data_dir_of
-    run_cfg = target_config_of(args.target)
-    tcfg = model_config_from(run_cfg)
-    tok = load_tokenizer(os.path.join(data_dir_of(run_cfg, tcfg.vocab_size), "tokenizer.json"))
-    graphdef, tparams = load_target(tcfg, args.target)
+    from specjax.models.generate import generate_timed
+    tcfg, (graphdef, tparams), tok = load_target_run(args.target)
     model = nnx.merge(graphdef, tparams)
     target = nnx.split(model)
     drafters = {}

@@ -122,6 +122,19 @@ def target_config_of(target_workdir: str):
         return validate_config(json.load(f))
 
 
+def load_target_run(target_workdir: str):
+    """``(model config, (graphdef, params), tokenizer)`` of a pretrained target's workdir: its
+    last checkpoint and the tokenizer of the data it was trained on."""
+    from specjax.data.tokenizer import load_tokenizer
+    from specjax.training.drafter_task import load_target
+    from specjax.training.lm_task import model_config_from
+    from specjax.training.run import data_dir_of
+    run_cfg = target_config_of(target_workdir)
+    config = model_config_from(run_cfg)
+    tok = load_tokenizer(os.path.join(data_dir_of(run_cfg, config.vocab_size), "tokenizer.json"))
+    return config, load_target(config, target_workdir), tok
+
+
 def ensure_data(mode: Mode, workdir: str, target_workdir: str, self_distill: Optional[float],
                 timings: dict) -> tuple[str, str]:
     from specjax.data.tokenizer import load_tokenizer
