@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from specjax.engine.device_loop import LoopSpec, LoopState, init_loop_state, run_loop
+from specjax.engine.loop_rows import pick_rows, run_loop_rows, spec_for_rows
 from specjax.engine.requests import LoopStats
 
 # Stop tokens per request are padded to a multiple of this (a request with more stop tokens
@@ -113,17 +114,32 @@ class DeviceLoopMixin:
                              self._put(np.float32(plain)))
         return self._sps_dev[1:]
 
-    def _run_loop(self, *, stop_on_finish: bool) -> LoopState:
-        """One call of the device loop over the current slots; keeps its state. Returns it."""
+    def _run_loop(self, *, stop_on_finish: bool, rows=None) -> LoopState:
+        """One call of the device loop over the current slots; keeps its state. Returns it.
+
+        With ``EngineConfig.row_buckets`` the call runs on the active slots only (padded to a
+        row bucket; :mod:`specjax.engine.loop_rows`); ``rows`` forces a set of slots (warm-up;
+        all ``S`` of them: the all-slot program).
+        """
         ls, (seeds, stops, stop) = self._loop_inputs(stop_on_finish)
         sps, sps_d, sps_plain = self._device_sps()
-        ls = run_loop(self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
-                      ls, self._put(self._sampling()), seeds, stops, sps, sps_d, sps_plain,
-                      self._key, stop, spec=self._loop_spec)
+        args = (self.graphdef, self.target_state, self.drafter, self.params, self.frozen, ls)
+        rest = (self._put(self._sampling()), seeds, stops, sps, sps_d, sps_plain, self._key, stop)
+        if rows is None and self.config.loop_row_buckets:
+            rows = pick_rows([live is not None for live in self.slots],
+                             self.config.loop_row_buckets)
+        if rows is None or len(rows) == self.config.num_slots:
+            ls = run_loop(*args, *rest, spec=self._loop_spec)
+        else:
+            ls = run_loop_rows(*args, self._put(np.asarray(rows, np.int32)), *rest,
+                               spec=spec_for_rows(self._loop_spec, len(rows)))
         self.state = ls.dev
         self._carry = ls
         return ls
 
     def _warmup_device_loop(self) -> None:
-        """Compiles the device loop (all slots idle: it returns at once)."""
-        self._run_loop(stop_on_finish=False)
+        """Compiles the device loop, and its program for each row bucket (all slots idle: each
+        returns at once)."""
+        self._run_loop(stop_on_finish=False, rows=range(self.config.num_slots))
+        for r in self.config.loop_row_buckets:
+            self._run_loop(stop_on_finish=False, rows=list(range(r)))

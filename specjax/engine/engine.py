@@ -52,6 +52,7 @@ from specjax.engine.device_driver import DeviceLoopMixin
 from specjax.engine import online_calibration as oc
 from specjax.engine.device_loop import slot_keys
 from specjax.engine.host_loop import HostLoopMixin
+from specjax.engine.loop_rows import pick_rows, prefill_rows
 from specjax.engine.requests import (CONFIDENCE_POLICIES, EngineConfig, LoopStats, Request, Result,
                                      StepStats, _Live)
 from specjax.engine.steps import DeviceState, prefill_step
@@ -237,13 +238,25 @@ class Engine(HostLoopMixin, DeviceLoopMixin, WarmupMixin):
                 if not is_last[i]:
                     nxt[i] = p[live.prompt_done + n]
                 live.prompt_done += n
-            self.state, first = prefill_step(
-                self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
-                self.state, tokens, num_valid, reset, nxt, is_last, self._slot_keys(1),
-                self._sampling(), max_len=self.config.max_len, gamma=self.config.gamma)
+            rows = None
+            if self.config.loop_row_buckets:
+                rows = pick_rows(num_valid > 0, self.config.loop_row_buckets)
+            if rows is None:
+                self.state, first = prefill_step(
+                    self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
+                    self.state, tokens, num_valid, reset, nxt, is_last, self._slot_keys(1),
+                    self._sampling(), max_len=self.config.max_len, gamma=self.config.gamma)
+                first = np.asarray(first)
+            else:  # the admitted slots only, padded to a row bucket (specjax.engine.loop_rows)
+                self.state, sub_first = prefill_rows(
+                    self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
+                    self.state, self._put(np.asarray(rows, np.int32)), tokens[rows],
+                    num_valid[rows], reset[rows], nxt[rows], is_last[rows], self._slot_keys(1),
+                    self._sampling(), max_len=self.config.max_len, gamma=self.config.gamma)
+                first = np.zeros(s, np.int32)
+                first[rows] = np.asarray(sub_first)
             self.prefill_calls += 1
             self.prefill_positions += c
-            first = np.asarray(first)
             now = time.perf_counter()
             for i in todo:
                 if is_last[i]:

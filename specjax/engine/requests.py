@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from specjax.buckets import default_buckets, validate_buckets
 from specjax.scheduling import SchedulerConfig
@@ -95,6 +95,11 @@ class EngineConfig:
     online_calibration: the confidence policies (threshold, dspark, production, retrospective)
     read the drafter's confidences calibrated on the verifier's past decisions
     (:mod:`specjax.engine.online_calibration`); device loop only.
+    row_buckets: device loop only: compiled row counts below ``num_slots`` (``"auto"``: the
+    powers of two below it; ``()``: none). A call with ``a`` active slots runs the smallest row
+    count ``>= a`` instead of every slot (:mod:`specjax.engine.loop_rows`): on a lightly loaded
+    engine, idle slots stop costing drafting, attention and cache reads, at the price of one
+    more compiled loop per row count at warm-up.
     """
 
     num_slots: int = 8
@@ -115,6 +120,7 @@ class EngineConfig:
     loop_steps: int = 16
     verify_impl: str = "auto"
     online_calibration: bool = False
+    row_buckets: Union[tuple, str] = ()
 
     def __post_init__(self):
         if self.loop not in ("device", "host"):
@@ -133,6 +139,16 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.loop_steps must be ≥ 1, got {self.loop_steps}")
         if self.num_slots < 1:
             raise ValueError(f"EngineConfig.num_slots must be ≥ 1, got {self.num_slots}")
+        if isinstance(self.row_buckets, str) and self.row_buckets != "auto":
+            raise ValueError(f"EngineConfig.row_buckets must be 'auto' or a tuple of row counts, "
+                             f"got {self.row_buckets!r}")
+        bad = [r for r in self.loop_row_buckets if not 1 <= r < self.num_slots]
+        if bad:
+            raise ValueError(f"EngineConfig.row_buckets must lie in [1, num_slots) = "
+                             f"[1, {self.num_slots}), got {bad}")
+        if self.loop_row_buckets and self.loop != "device":
+            raise ValueError("EngineConfig.row_buckets runs in the device loop only "
+                             "(loop='device')")
         if self.gamma < 1:
             raise ValueError(f"EngineConfig.gamma must be ≥ 1, got {self.gamma}")
         if self.method not in ("rejection", "target_only"):
@@ -154,6 +170,14 @@ class EngineConfig:
                 raise ValueError(
                     f"EngineConfig.token_buckets: the largest bucket {b[-1]} must hold "
                     f"num_slots * (gamma + 1) = {self.num_slots * (self.gamma + 1)} tokens")
+
+    @property
+    def loop_row_buckets(self) -> tuple:
+        """``row_buckets`` resolved: ascending distinct row counts (``"auto"``: powers of two
+        below ``num_slots``)."""
+        if self.row_buckets == "auto":
+            return tuple(2 ** i for i in range(max(self.num_slots - 1, 0).bit_length()))
+        return tuple(sorted({int(r) for r in self.row_buckets}))
 
     @property
     def buckets(self) -> list[int]:

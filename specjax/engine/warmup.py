@@ -17,6 +17,7 @@ import numpy as np
 
 from specjax.buckets import SPSProfile, profile_sps
 from specjax.engine.loop_profile import production_loop_profile
+from specjax.engine.loop_rows import prefill_rows
 from specjax.engine.step_costs import default_context, device_loop_profile
 from specjax.engine.steps import merge_rows, prefill_step, verify_step
 
@@ -40,6 +41,13 @@ class WarmupMixin:
                 self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
                 self.state, np.zeros((s, c), np.int32), z, np.zeros(s, bool), z,
                 np.zeros(s, bool), keys, sampling, max_len=self.config.max_len, gamma=g)
+            for r in self.config.loop_row_buckets:  # admission into r rows (engine._admit)
+                z = np.zeros(r, np.int32)
+                self.state, _ = prefill_rows(
+                    self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
+                    self.state, self._put(np.arange(r, dtype=np.int32)),
+                    np.zeros((r, c), np.int32), z, np.zeros(r, bool), z, np.zeros(r, bool), keys,
+                    sampling, max_len=self.config.max_len, gamma=g)
         policy = self.config.scheduler.policy
         key = (f"{jax.devices()[0].device_kind}/{self.model_config}/"
                f"{type(self.drafter).__name__}/S{s}/g{g}/L{self.config.max_len}")

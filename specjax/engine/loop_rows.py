@@ -1,0 +1,135 @@
+"""The device loop on the active slots only: row buckets (``EngineConfig.row_buckets``).
+
+Every step of :func:`~specjax.engine.device_loop.run_loop` computes all ``S`` slots: an idle
+slot still drafts, still sits in the verification's attention grid and still reads its cache
+window. On a lightly loaded server that is most of the work (one request on a 32-slot engine ran
+8.7x slower than on a one-slot engine on a 2-core CPU). Slots only *leave* during a device-loop
+call (admission happens between calls), so the host knows before each call how many rows the
+call can need. With row buckets it picks the smallest compiled row count ``R >= active`` and
+:func:`run_loop_rows` gathers those ``R`` slots (the active ones, padded with distinct idle ones)
+out of every per-slot array, runs the same loop on them, and scatters the rows back, in one
+program: two copies of ``R`` cache rows per call instead of ``S - R`` idle rows in every step.
+Admission does the same: :func:`prefill_rows` feeds a prompt chunk to the admitted slots only,
+padded to a row bucket, instead of a ``[S, C]`` chunk that is mostly padding.
+
+Exactness: a row's computation never reads another row (verification noise is keyed by each
+request's seed and step count), so the loop on a subset of rows emits what it would emit on all
+``S``, except that drafting noise is drawn per row of the batch: drafts are still drawn from the
+q returned with them, which is all the verifier needs (``tests/test_engine_rows.py`` checks
+equal greedy outputs, equal sampled outputs with a deterministic drafter, and the output
+distribution with a sampling one). The scheduling policies read the SPS profile measured on all
+``S`` rows.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.engine.device_loop import LoopSpec, LoopState, run_loop
+from specjax.engine.steps import DeviceState, batch_axes, prefill_step
+
+# LoopState fields with a leading slot axis (the rest are scalars or per-position [γ] arrays
+# shared by all slots: they pass through whole).
+_ROW_FIELDS = ("active", "remaining", "steps", "out", "out_len", "drafted", "accepted",
+               "reached", "conf_hist", "hist_n")
+
+
+def pick_rows(active: Sequence[bool], row_buckets: Sequence[int]) -> Optional[list]:
+    """The slots a call runs: the active ones, then idle ones up to the smallest row bucket that
+    holds them; ``None`` when no bucket does (the call runs every slot).
+
+    Args:
+      active: ``[S]`` slot holds a running request.
+      row_buckets: ascending row counts (:func:`validate_row_buckets`).
+    Returns:
+      distinct slot indices (active first, ascending), or ``None``.
+    """
+    busy = [i for i, a in enumerate(active) if a]
+    r = next((b for b in row_buckets if b >= len(busy)), None)
+    if r is None:
+        return None
+    idle = [i for i, a in enumerate(active) if not a]
+    return busy + idle[:r - len(busy)]
+
+
+def spec_for_rows(spec: LoopSpec, rows: int) -> LoopSpec:
+    """The loop spec for ``rows`` slots: verification buckets past the first that holds
+    ``rows · (γ + 1)`` tokens can never be chosen, so they are not compiled."""
+    need = rows * (spec.gamma + 1)
+    first = next((i for i, b in enumerate(spec.buckets) if b >= need), len(spec.buckets) - 1)
+    return dataclasses.replace(spec, buckets=tuple(spec.buckets[:first + 1]))
+
+
+def device_state_axes(drafter, dev: DeviceState, gamma: int) -> DeviceState:
+    """The slot axis of every leaf of ``dev`` (``None``: shared by all slots)."""
+    cache = dev.cache
+    dstate_axes = batch_axes(drafter, dev.drafter_state, cache.num_slots, cache.max_len, gamma)
+    return DeviceState(cache=cache.replace(k=1, v=1, lengths=0), drafter_state=dstate_axes,
+                       anchor=0)
+
+
+def loop_state_axes(drafter, ls: LoopState, gamma: int) -> LoopState:
+    """The slot axis of every leaf of ``ls`` (``None``: shared by all slots)."""
+    dev = device_state_axes(drafter, ls.dev, gamma)
+    shared = {f: None for f in LoopState._fields if f not in _ROW_FIELDS + ("dev",)}
+    return LoopState(dev=dev, **{f: 0 for f in _ROW_FIELDS}, **shared)
+
+
+def take_rows(tree, rows: jax.Array, axes):
+    """Per leaf: the ``rows`` along its slot axis (leaves with axis ``None`` whole)."""
+    return jax.tree.map(lambda x, ax: x if ax is None else jnp.take(x, rows, axis=ax), tree, axes)
+
+
+def put_rows(full, sub, rows: jax.Array, axes):
+    """Per leaf: ``full`` with its ``rows`` (along the slot axis) replaced by ``sub``'s; leaves
+    with axis ``None`` are ``sub``'s (the loop's shared counters and statistics)."""
+    def put(f, s, ax):
+        if ax is None:
+            return s
+        return f.at[(slice(None),) * ax + (rows,)].set(s)
+    return jax.tree.map(put, full, sub, axes)
+
+
+def _row_axis0(tree, rows):
+    return jax.tree.map(lambda x: x[rows] if jnp.ndim(x) else x, tree)
+
+
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "spec"),
+                   donate_argnames=("ls",))
+def run_loop_rows(target_graphdef: nnx.GraphDef, target_state, drafter, params, frozen,
+                  ls: LoopState, rows: jax.Array, sampling, seeds, stop_tokens, sps, sps_draft,
+                  sps_plain, key, stop_on_finish, *, spec: LoopSpec) -> LoopState:
+    """:func:`~specjax.engine.device_loop.run_loop` on the slots ``rows`` (int32 ``[R]``,
+    distinct) of the ``S``-slot loop state ``ls`` (donated); the other slots are left as they
+    are. ``spec`` is the loop spec for ``R`` rows (:func:`spec_for_rows`); the other arguments
+    are ``run_loop``'s, with their ``[S]`` slot axis. Returns the whole ``S``-slot state."""
+    axes = loop_state_axes(drafter, ls, spec.gamma)
+    sub = take_rows(ls, rows, axes)
+    # run_loop's undecorated function: traced into this program, not a nested jit call
+    sub = run_loop.__wrapped__(target_graphdef, target_state, drafter, params, frozen, sub,
+                               _row_axis0(sampling, rows), seeds[rows], stop_tokens[rows], sps,
+                               sps_draft, sps_plain, key, stop_on_finish, spec=spec)
+    return put_rows(ls, sub, rows, axes)
+
+
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "max_len", "gamma"),
+                   donate_argnames=("state",))
+def prefill_rows(target_graphdef: nnx.GraphDef, target_state, drafter, params, frozen,
+                 state: DeviceState, rows: jax.Array, tokens, num_valid, reset,
+                 next_prompt_token, is_last, first_keys, sampling, *, max_len: int, gamma: int):
+    """:func:`~specjax.engine.steps.prefill_step` on the slots ``rows`` (int32 ``[R]``, distinct)
+    of the ``S``-slot ``state`` (donated): the chunk arrays (``tokens [R, C]``, ``num_valid``,
+    ``reset``, ``next_prompt_token``, ``is_last``) are per row already; ``first_keys`` and
+    ``sampling`` keep their ``[S]`` slot axis. A row with ``num_valid = 0`` is left as it is.
+    Returns ``(DeviceState for all S slots, first_token int32 [R])``."""
+    axes = device_state_axes(drafter, state, gamma)
+    sub, first = prefill_step.__wrapped__(
+        target_graphdef, target_state, drafter, params, frozen, take_rows(state, rows, axes),
+        tokens, num_valid, reset, next_prompt_token, is_last, first_keys[rows],
+        _row_axis0(sampling, rows), max_len=max_len, gamma=gamma)
+    return put_rows(state, sub, rows, axes), first

@@ -1,0 +1,160 @@
+"""Row buckets (``EngineConfig.row_buckets``): the device loop and admission run on the active
+slots only. Same greedy tokens as plain decoding for every drafter and policy, the same sampled
+tokens as the all-slot engine with a deterministic drafter, the target's distribution (chi-square
+at the 1e-6 level) with a sampling drafter and competing requests, and no compilation after
+warm-up; plus the row choice and config errors."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from _shared_once import count_compiles
+from test_engine import (CRIT, V, _chi2, _drafter, _exact_first_tokens, _greedy_reference,
+                         _requests, _run_mixed, target)  # noqa: F401 (target: fixture)
+
+from specjax.buckets import SPSProfile
+from specjax.engine import Engine, EngineConfig, Request
+from specjax.engine import device_driver, engine as engine_mod
+from specjax.engine.device_loop import LoopSpec
+from specjax.engine.loop_rows import pick_rows, spec_for_rows
+from specjax.scheduling import SchedulerConfig
+
+pytestmark = pytest.mark.xdist_group("engine")
+
+
+def test_row_bucket_config_and_choice():
+    assert EngineConfig(num_slots=32, row_buckets="auto").loop_row_buckets == (1, 2, 4, 8, 16)
+    assert EngineConfig(num_slots=5, row_buckets="auto").loop_row_buckets == (1, 2, 4)
+    assert EngineConfig(num_slots=1, row_buckets="auto").loop_row_buckets == ()
+    assert EngineConfig(num_slots=8, row_buckets=(4, 2, 4)).loop_row_buckets == (2, 4)
+    with pytest.raises(ValueError, match=r"\[1, num_slots\)"):
+        EngineConfig(num_slots=4, row_buckets=(4,))
+    with pytest.raises(ValueError, match="'auto'"):
+        EngineConfig(num_slots=4, row_buckets="all")
+    with pytest.raises(ValueError, match="device loop only"):
+        EngineConfig(num_slots=4, row_buckets=(2,), loop="host")
+    # active slots first, then idle ones up to the smallest bucket; none fits -> every slot
+    assert pick_rows([False, True, False, True, False], (1, 2, 4)) == [1, 3]
+    assert pick_rows([False, True, False, False, False], (2, 4)) == [1, 0]
+    assert pick_rows([True, True, True, False, False], (1, 2, 4)) == [0, 1, 2, 3]
+    assert pick_rows([False] * 3, (1, 2)) == [0]
+    assert pick_rows([True, True, True, False, True], (1, 2)) is None
+    spec = LoopSpec(policy="fixed", gamma=3, buckets=(4, 8, 16, 32), method="rejection",
+                    max_steps=4)
+    assert spec_for_rows(spec, 1).buckets == (4,)
+    assert spec_for_rows(spec, 3).buckets == (4, 8, 16)  # 12 tokens: bucket 16
+    assert spec_for_rows(spec, 8).buckets == (4, 8, 16, 32)
+
+
+GREEDY_CASES = {"mtp": ("fixed",), "dspark": ("dspark", "production"), "ngram": ("none",),
+                "draft_lm": ("mtp1",)}
+
+
+@pytest.mark.parametrize("kind", sorted(GREEDY_CASES))
+def test_row_buckets_keep_greedy_decoding_under_mixed_load(target, kind, monkeypatch):
+    """Arrivals in waves make the number of active slots move between calls, so calls run on
+    1, 2 and all 4 rows (counted), and prompts are admitted into row buckets as well."""
+    calls = []
+    real_loop, real_prefill = device_driver.run_loop_rows, engine_mod.prefill_rows
+    monkeypatch.setattr(device_driver, "run_loop_rows",
+                        lambda *a, **k: calls.append(("loop", a[6].shape[0])) or real_loop(*a, **k))
+    monkeypatch.setattr(engine_mod, "prefill_rows",
+                        lambda *a, **k: calls.append(("prefill", a[6].shape[0]))
+                        or real_prefill(*a, **k))
+    d, p, f = _drafter(kind, target)
+    for policy in GREEDY_CASES[kind]:
+        cfg = EngineConfig(num_slots=4, max_len=40, gamma=3, prefill_buckets=(8,),
+                           loop_steps=3, row_buckets="auto",
+                           scheduler=SchedulerConfig(policy, k=3, threshold=0.3))
+        engine = Engine(target, d, p, f, cfg)
+        engine.warmup(profile=False)
+        engine.sps_table = 1.0 / (1.0 + 0.3 * np.arange(engine.buckets[-1] + 1))
+        engine.sps_table_draft = engine.sps_table
+        calls.clear()
+        rng = np.random.default_rng(len(kind) * 100 + len(policy))
+        reqs = _requests(rng, 10, stop=True)
+        results = _run_mixed(engine, reqs, rng)
+        for req, res in zip(reqs, results):
+            ref, reason = _greedy_reference(target, req)
+            assert res.tokens == ref, (kind, policy, req)
+            assert res.finish_reason == reason
+        assert {r for c, r in calls if c == "loop"} == {1, 2}, calls  # and full calls between
+        assert {r for c, r in calls if c == "prefill"} >= {1}, calls
+
+
+def test_row_buckets_emit_the_same_sampled_tokens_with_a_deterministic_drafter(target):
+    """The n-gram drafter's drafts are a function of the history, and every other random number
+    of a request is keyed by its seed and step count: on a subset of rows the engine must emit,
+    at temperature 1 and with top-k, exactly the tokens it emits on all slots."""
+    d, p, f = _drafter("ngram", target)
+    out = {}
+    for rb in ((), "auto"):
+        cfg = EngineConfig(num_slots=4, max_len=40, gamma=3, prefill_buckets=(4, 8),
+                           loop_steps=2, row_buckets=rb, scheduler=SchedulerConfig("fixed", k=3))
+        engine = Engine(target, d, p, f, cfg)
+        engine.warmup(profile=False)
+        rng = np.random.default_rng(7)
+        reqs = _requests(rng, 12, temperature=1.0)
+        reqs = [dataclasses.replace(r, top_k=5 if i % 3 == 0 else None)
+                for i, r in enumerate(reqs)]
+        out[rb] = [r.tokens for r in _run_mixed(engine, reqs, rng)]
+    assert out[()] == out["auto"]
+    assert sum(map(len, out[()])) > 40
+
+
+@pytest.mark.parametrize("policy,draft_s", [("dspark", 0.0), ("production", 0.4)])
+def test_row_buckets_engine_is_lossless_at_temperature1(target, policy, draft_s):
+    """Many seeds of one prompt, arriving 0-3 per call into 4 slots (calls on 1, 2 and 4 rows),
+    compete for the verification budget with the sampling DSpark drafter; the first three tokens
+    follow the target's exact joint / marginal (chi-square, 1e-6 level)."""
+    d, p, f = _drafter("dspark", target)
+    cfg = EngineConfig(num_slots=4, max_len=24, gamma=3, prefill_buckets=(2, 8), loop_steps=2,
+                       row_buckets="auto", filters=False, scheduler=SchedulerConfig(policy))
+    engine = Engine(target, d, p, f, cfg)
+    engine.warmup(profile=False)
+    engine.set_sps(SPSProfile((4, 8, 16), (1.0, 0.9, 0.5), draft_s=draft_s))
+    prompt, n = [3, 7, 1], 3000
+    rng = np.random.default_rng(0)
+    ids, seed = [], 0
+    while seed < n or engine.has_work():
+        for _ in range(int(rng.integers(0, 4))):
+            if seed < n:
+                ids.append(engine.submit(Request(prompt=prompt, max_new_tokens=4,
+                                                 temperature=1.0, seed=seed)))
+                seed += 1
+        if engine.has_work():
+            engine.step()
+    actives = {s.active for s in engine.loop_stats}
+    assert {1, 2} <= actives and max(actives) >= 3, actives
+    results = [engine.finished[i] for i in ids]
+    assert sum(r.accepted for r in results) > 0.2 * n
+    toks = np.array([r.tokens[:3] for r in results])
+    joint12, marg3 = _exact_first_tokens(target, prompt)
+    c12 = np.zeros((V, V))
+    np.add.at(c12, (toks[:, 0], toks[:, 1]), 1)
+    stat, df = _chi2(c12, joint12)
+    assert stat < CRIT(df), (stat, df)
+    stat, df = _chi2(np.bincount(toks[:, 2], minlength=V), marg3)
+    assert stat < CRIT(df), (stat, df)
+
+
+def test_row_buckets_compile_nothing_after_warmup(target):
+    jax.clear_caches()  # programs compiled by earlier tests must not hide a compile
+    d, p, f = _drafter("dspark", target)
+    engine = Engine(target, d, p, f, EngineConfig(num_slots=4, max_len=40, gamma=3,
+                                                  prefill_buckets=(4, 8), loop_steps=3,
+                                                  row_buckets="auto",
+                                                  scheduler=SchedulerConfig("dspark")))
+    engine.warmup(profile=False)
+    engine.set_sps(SPSProfile(tuple(engine.buckets), (100.0,) * len(engine.buckets)))
+    with count_compiles() as compiles:
+        rng = np.random.default_rng(0)
+        for step in range(60):
+            for _ in range(int(rng.integers(0, 3)) if step % 20 < 10 else 0):
+                engine.submit(Request(prompt=rng.integers(0, V, size=int(rng.integers(2, 16))).tolist(),
+                                      max_new_tokens=int(rng.integers(1, 20)),
+                                      temperature=float(rng.choice([0.0, 1.0])), seed=step))
+            if engine.has_work():
+                engine.step()
+    assert len({s.active for s in engine.loop_stats}) >= 3
+    assert compiles == []
