@@ -118,6 +118,11 @@ def _add_model_flags(p: argparse.ArgumentParser, *, slots: int, temperature: boo
                    help="device: many steps per jitted while-loop (fast); host: one step per "
                         "Python iteration (the reference)")
     p.add_argument("--loop-steps", type=int, default=16, help="--loop device: steps per call")
+    p.add_argument("--row-buckets", default="auto",
+                   help="--loop device: calls and admissions run on the active slots only, "
+                        "padded to the smallest of these row counts (comma-separated, each below "
+                        "--slots; 'auto': powers of two; 'none': every call runs every slot). "
+                        "Each costs one more compiled loop at warm-up")
     p.add_argument("--online-calibration", action="store_true",
                    help="confidence policies (threshold, dspark, production) read the drafter's "
                         "confidences calibrated on the verifier's past decisions (--loop device)")
@@ -199,7 +204,7 @@ def main(argv: Optional[list] = None, stdin: TextIO = sys.stdin,
             sps_cache=args.sps_cache, profile_reps=args.profile_reps,
             filters=args.command == "serve", prefill_buckets=args.prefill_buckets,
             token_buckets=args.token_buckets, loop=args.loop, loop_steps=args.loop_steps,
-            online_calibration=args.online_calibration)
+            online_calibration=args.online_calibration, row_buckets=args.row_buckets)
         if args.command == "eval":  # read the prompts before compiling anything
             from specjax import cli_eval
             cli_eval.read_prompts(args.prompts, loaded)

@@ -182,7 +182,8 @@ def engine_config(loaded: Loaded, *, policy: str, method: str = "rejection",
                   slots: int = 8, max_len: int = 512, seed: int = 0,
                   sps_cache: Optional[str] = None, profile_reps: int = 5, filters: bool = True,
                   prefill_buckets="16,64,256", token_buckets=None, loop: str = "device",
-                  loop_steps: int = 16, online_calibration: bool = False):
+                  loop_steps: int = 16, online_calibration: bool = False,
+                  row_buckets="none"):
     """An :class:`~specjax.engine.EngineConfig` for the loaded drafter, or :class:`LoadError`.
 
     ``gamma`` defaults to the drafter's trained γ; ``k`` (policy "fixed") defaults to γ.
@@ -192,6 +193,9 @@ def engine_config(loaded: Loaded, *, policy: str, method: str = "rejection",
     ``loop`` / ``loop_steps``: the engine's device loop (default) or host loop.
     ``online_calibration``: confidence policies read confidences calibrated on the verifier's
     past decisions (device loop; :mod:`specjax.engine.online_calibration`).
+    ``row_buckets``: "auto", "none" or comma-separated row counts: device-loop calls and
+    admissions run on the active slots only, padded to the smallest of these
+    (:mod:`specjax.engine.loop_rows`); ignored by the host loop.
     """
     from specjax.engine import EngineConfig
     from specjax.scheduling import SchedulerConfig
@@ -215,12 +219,20 @@ def engine_config(loaded: Loaded, *, policy: str, method: str = "rejection",
     try:
         prefill_buckets = _ints(prefill_buckets)
         token_buckets = None if token_buckets is None else _ints(token_buckets)
+        if loop != "device" or row_buckets in (None, "none", ""):
+            row_buckets = ()
+        elif row_buckets != "auto":
+            try:
+                row_buckets = _ints(row_buckets)
+            except ValueError:
+                raise LoadError(f"--row-buckets must be 'auto', 'none' or comma-separated row "
+                                f"counts, got {row_buckets!r}") from None
         return EngineConfig(num_slots=slots, max_len=max_len, gamma=gamma, method=method,
                             scheduler=SchedulerConfig(policy, k=k, threshold=threshold), seed=seed,
                             prefill_buckets=prefill_buckets, token_buckets=token_buckets,
                             sps_cache=sps_cache, profile_reps=profile_reps, filters=filters,
                             loop=loop, loop_steps=loop_steps,
-                            online_calibration=online_calibration)
+                            online_calibration=online_calibration, row_buckets=row_buckets)
     except ValueError as e:
         raise LoadError(str(e)) from e
 

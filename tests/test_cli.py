@@ -54,6 +54,8 @@ def test_serve_hf_checkpoint_ngram_jsonl_roundtrip(tmp_path):
     (["--slots", 2, "--gamma", 3, "--token-buckets", "4"], "must hold num_slots * (gamma + 1)"),
     (["--drafter", "/no/such/dir"], "not 'ngram' and not a directory"),
     (["--policy", "fixed", "--online-calibration"], "does not read"),
+    (["--slots", 2, "--row-buckets", "1,2"], "row_buckets must lie in [1, num_slots)"),
+    (["--row-buckets", "half"], "--row-buckets must be 'auto', 'none' or comma-separated"),
 ])
 def test_bad_combinations_fail_clearly(argv, message, capsys):
     rc, _ = _main(["serve", "--preset", "tiny"] + argv)
