@@ -67,7 +67,7 @@ VARIANTS = {"speculative": MTPDrafter, "speculative_window_only": WindowOnlyMTP,
             "speculative_earlier": EarlierMTP}
 
 
-def _models(args):
+def load_models(args):
     """``(target (graphdef, state), drafter, params, frozen, gamma, prompts per domain)``."""
     import numpy as np
     if args.quick:
@@ -103,7 +103,7 @@ def run(args) -> dict:
     from experiments.quickstart import b1_engine, b1_max_len
     from specjax.engine import Request
     from specjax.models.generate import generate_timed
-    target, drafter, params, frozen, gamma, prompts = _models(args)
+    target, drafter, params, frozen, gamma, prompts = load_models(args)
     drafters = {n: cls(drafter.config, drafter.target_config, drafter.graphdef)
                 for n, cls in VARIANTS.items()}
     model = nnx.merge(*target)

@@ -269,6 +269,14 @@ def test_loop_profile_self_times_take_nested_events_off_their_parent():
      < r["drafters"]["speculative_window_only"]["propose_flops"]
      < r["drafters"]["speculative_earlier"]["propose_flops"]
      and all(c["same_tokens"] and c["decoders"]["speculative"]["tokens"] > 0 for c in r["cells"])),
+    # one engine with and without row buckets, one sized to the load, generate(): same greedy
+    # tokens in every cell; the plot is written beside the JSON
+    ("benchmarks.row_buckets", [], lambda r: [(c["policy"], c["load"]) for c in r["cells"]]
+     == [("none", 1), ("none", 4), ("fixed", 1), ("fixed", 4)]
+     and all(c["same_tokens"] and c["decoders"]["row_buckets"]["tokens"] == 8 * c["load"]
+             for c in r["cells"])
+     and set(r["warmup_s"]) == {"none/all_slots", "none/row_buckets", "fixed/all_slots",
+                                "fixed/row_buckets"}),
 ])
 def test_benchmark_quick(module, extra, check, tmp_path, tmp_path_factory):
     out = tmp_path / "out.json"
@@ -279,3 +287,5 @@ def test_benchmark_quick(module, extra, check, tmp_path, tmp_path_factory):
     # (prefill, the host loop's steps for overlap on and off), which then load instead of compile
     run_module(hermetic_env(tmp_path, compile_cache(tmp_path_factory)), module, *args)
     assert check(json.load(open(out)))
+    if module == "benchmarks.row_buckets":
+        assert (tmp_path / "out.png").stat().st_size > 0

@@ -997,3 +997,58 @@ def test_quoted_tpu_engine_flops_numbers_match_the_committed_results():
     assert {r["shapes"]["max_len"] for r in rows.values()} == {2048}
     assert {r["shapes"]["slots"] for r in rows.values()} == {64}
     assert {r["shapes"]["flops_context"] for r in rows.values()} == {2048}
+
+
+def test_quoted_row_bucket_numbers_match_the_committed_results():
+    """docs/SERVING.md's "Idle slots" section (its table and bullets) and README's sentence, from
+    the committed runs of benchmarks/row_buckets.py."""
+    doc = open(os.path.join(ROOT, "docs", "SERVING.md")).read()
+    flat = " ".join(doc.split())
+    readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    runs = [json.load(open(os.path.join(ROOT, "benchmarks", "results", f"{n}.json")))
+            for n in ("row_buckets", "row_buckets_repeat")]
+    for r in runs:
+        c = r["config"]
+        assert (c["slots"], c["loads"], c["policies"]) == (32, [1, 2, 4, 8, 32], ["none", "fixed"])
+        assert (c["prompt_len"], c["new_tokens"], c["temperature"], c["loop_steps"], c["reps"]) \
+            == (32, 96, 0.0, 16, 5)
+        assert r["gamma"] == 3 and "Intel" in r["machine"]["cpu"] and r["machine"]["cores"] == 2
+        assert all(cell["same_tokens"] for cell in r["cells"])
+    assert "All four decoders emitted the same tokens in every cell" in flat
+    assert "2-vCPU Intel Xeon VM" in flat and "median of 5 alternating runs" in flat
+    pairs = list(zip(runs[0]["cells"], runs[1]["cells"]))
+
+    def both(key):
+        return lambda a, b: f"{a[key]:.2f} / {b[key]:.2f}x"
+
+    def rate(n):
+        return lambda a, b: (f"{a['decoders'][n]['tokens_per_s']:.0f} / "
+                             f"{b['decoders'][n]['tokens_per_s']:.0f}")
+    for a, b in pairs:
+        cols = [rate("all_slots"), rate("row_buckets"), both("rows_over_all"),
+                both("rows_over_sized"), both("rows_over_generate")]
+        row = f"| {a['policy']} | {a['load']} | " + " | ".join(f(a, b) for f in cols) + " |"
+        assert row in doc, row
+
+    def span(vals):
+        return f"{min(vals):.2f}-{max(vals):.2f}x"
+    cells = [c for r in runs for c in r["cells"]]
+    one = {p: [c["rows_over_all"] for c in cells if c["load"] == 1 and c["policy"] == p]
+           for p in ("none", "fixed")}
+    assert f"{min(one['none']):.1f}-{max(one['none']):.1f}x faster with row buckets" in flat
+    assert {round(x, 1) for x in one["fixed"]} == {5.5} and "and 5.5x faster" in flat
+    assert f"{min(one['none']):.1f}-{max(one['none']):.1f}x faster with it than without" in readme
+    eight = [c["rows_over_all"] for c in cells if c["load"] == 8]
+    assert f"to {min(eight):.1f}-{max(eight):.1f}x at C = 8" in flat
+    light = [c for c in cells if c["load"] < 32]
+    assert f"ran at {span([c['rows_over_sized'] for c in light])} the tokens/s" in flat
+    assert (f"both run the same program): "
+            f"{span([c['rows_over_all'] for c in cells if c['load'] == 32])}") in flat
+    fixed = [c["rows_over_generate"] for c in cells if c["policy"] == "fixed"]
+    assert f"`generate()` {span(fixed)} for \"fixed\"" in flat
+    w = [r["warmup_s"] for r in runs]
+    for policy in ("none", "fixed"):
+        quoted = (f"{w[0][policy + '/row_buckets']:.1f} / {w[1][policy + '/row_buckets']:.1f} s "
+                  f"instead of {w[0][policy + '/all_slots']:.1f} / "
+                  f"{w[1][policy + '/all_slots']:.1f} s (\"{policy}\")")
+        assert quoted in flat, quoted
