@@ -7,15 +7,19 @@ in the same run, by:
 * ``generate``: :func:`specjax.models.generate.generate` (one jitted ``lax.while_loop`` over the
   whole batch: the decoder the study's ``no_spec`` arm rolls out with);
 * ``engine_none``: the engine's device loop with policy "none" (plain decoding);
+* ``engine_none_rows``: the same with row buckets (see ``spec_rows``);
 * ``spec``: the engine with the trained drafter, fixed K = γ, rejection sampling, in the study's
   engine configuration (``experiments/rl_study_arms.py:study_engine_config``: one slot per
   sequence, no top-k / top-p filters);
 * ``spec_filters``: the same engine with the top-k / top-p filters compiled in (what the study's
-  rollouts ran with before; the tokens are the same, only the time differs).
+  rollouts ran with before; the tokens are the same, only the time differs);
+* ``spec_rows``: the same engine with row buckets (``EngineConfig.row_buckets="auto"``: as
+  sequences end, later device-loop calls run on the unfinished ones only; the tokens can differ
+  from ``spec``'s only through the drafting noise, drawn per row).
 
 Each decoder runs once untimed (compilation), then ``--reps`` times, alternating, each rep with
 its own sampling seeds (the same seeds for every decoder); the medians are reported. The speed-up
-of ``spec`` is over the faster plain decoder. Beside it, the analytic bound
+of ``spec`` is over the fastest plain decoder. Beside it, the analytic bound
 ``τ · t_plain / (t_draft + t_verify)`` from the measured τ and the three steps timed on their own
 inside a jitted loop (``benchmarks/spec_vs_plain.py:_step_costs``), and measured / bound. The
 engines also report ``prefill_s``: the median time of a rep spent admitting the batch (feeding
@@ -42,6 +46,9 @@ import jax
 import numpy as np
 
 from specjax.paths import dump_json, portable_argv, portable_values
+
+# the plain decoders: every speed-up is over the fastest of them in the same run
+PLAIN = ("generate", "engine_none", "engine_none_rows")
 
 
 def measure(model, drafter, dparams, prompts: list[list[int]], *, eos_id: int, gamma: int,
@@ -71,9 +78,14 @@ def measure(model, drafter, dparams, prompts: list[list[int]], *, eos_id: int, g
         "engine_none": Engine(model, NGramDrafter(model.config.vocab_size), None, None,
                               dataclasses.replace(cfg, gamma=1,
                                                   scheduler=SchedulerConfig("none", k=0))),
+        "engine_none_rows": Engine(model, NGramDrafter(model.config.vocab_size), None, None,
+                                   dataclasses.replace(cfg, gamma=1, row_buckets="auto",
+                                                       scheduler=SchedulerConfig("none", k=0))),
         "spec": Engine(model, drafter, dparams, head, cfg),
         "spec_filters": Engine(model, drafter, dparams, head,
                                dataclasses.replace(cfg, filters=True)),
+        "spec_rows": Engine(model, drafter, dparams, head,
+                            dataclasses.replace(cfg, row_buckets="auto")),
     }
     for e in engines.values():
         e.warmup(profile=False)
@@ -115,15 +127,16 @@ def measure(model, drafter, dparams, prompts: list[list[int]], *, eos_id: int, g
             out[name]["tau"] = (sum(r["tokens"] for r in rs) - len(prompts) * len(rs)) / steps
             out[name]["loop_steps"] = [r["loop_steps"] for r in rs]
             out[name]["prefill_s"] = statistics.median(r["prefill_s"] for r in rs)
-    base = max(("generate", "engine_none"), key=lambda n: out[n]["tokens_per_s"])
-    for name in ("spec", "spec_filters", "engine_none"):
+    base = max(PLAIN, key=lambda n: out[n]["tokens_per_s"])
+    for name in ("spec", "spec_filters", "spec_rows", "engine_none", "engine_none_rows"):
         out[name]["speedup"] = out[name]["tokens_per_s"] / out[base]["tokens_per_s"]
     context = int(np.mean([len(x) for x in prompts])) + new_tokens // 2
     costs = _step_costs(engines["spec"], cost_reps, context, temperature)
     bound = out["spec"]["tau"] * costs["plain_s"] / (costs["draft_s"] + costs["verify_s"])
     return {"sequences": len(prompts), "baseline": base, "decoders": out, "step_costs": costs,
             "bound": bound, "measured_over_bound": out["spec"]["speedup"] / bound,
-            "filters_slowdown": out["spec_filters"]["wall_s"] / out["spec"]["wall_s"]}
+            "filters_slowdown": out["spec_filters"]["wall_s"] / out["spec"]["wall_s"],
+            "rows_speedup": out["spec"]["wall_s"] / out["spec_rows"]["wall_s"]}
 
 
 def main(argv=None) -> None:
@@ -172,7 +185,8 @@ def main(argv=None) -> None:
         f"{n} {d[n]['tokens_per_s']:.0f}" for n in d))
     print(f"spec: τ {d['spec']['tau']:.2f}, {d['spec']['speedup']:.2f}x of {r['baseline']} "
           f"(bound {r['bound']:.2f}x, measured / bound {r['measured_over_bound']:.2f}); "
-          f"with the filters compiled in: {d['spec_filters']['speedup']:.2f}x")
+          f"with the filters compiled in: {d['spec_filters']['speedup']:.2f}x; with row buckets: "
+          f"{d['spec_rows']['speedup']:.2f}x ({r['rows_speedup']:.2f}x the engine without)")
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ def run(config, workdir: str) -> dict:
     from tunix.sft.metrics_logger import MetricsLoggerOptions
 
     from specjax.engine import EngineConfig
+    from specjax.engine.requests import parse_row_buckets
     from specjax.rl import SpeculativeRollout, TunixPolicy
     from specjax.rl import task as T
     from specjax.buckets import prompt_chunk_buckets
@@ -107,7 +108,8 @@ def run(config, workdir: str) -> dict:
         prefill_buckets=tuple(e.prefill_buckets) or
         prompt_chunk_buckets(r.max_prompt_length),
         scheduler=SchedulerConfig("fixed", k=e.gamma), overlap=e.overlap,
-        filters=r.top_p < 1.0)  # no top-p: no sort over the vocabulary compiled into the loop
+        filters=r.top_p < 1.0,  # no top-p: no sort over the vocabulary compiled into the loop
+        row_buckets=parse_row_buckets(e.get("row_buckets", "none")))
     rollout_config = RolloutConfig(
         max_tokens_to_generate=r.max_new_tokens, max_prompt_length=r.max_prompt_length,
         temperature=r.temperature, top_p=r.top_p, eos_tokens=[ttok.eos_id()], seed=config.seed)

@@ -198,6 +198,7 @@ def engine_config(loaded: Loaded, *, policy: str, method: str = "rejection",
     (:mod:`specjax.engine.loop_rows`); ignored by the host loop.
     """
     from specjax.engine import EngineConfig
+    from specjax.engine.requests import parse_row_buckets
     from specjax.scheduling import SchedulerConfig
     if policy not in SERVE_POLICIES:
         raise LoadError(f"--policy must be one of {SERVE_POLICIES}, got {policy!r}")
@@ -219,14 +220,7 @@ def engine_config(loaded: Loaded, *, policy: str, method: str = "rejection",
     try:
         prefill_buckets = _ints(prefill_buckets)
         token_buckets = None if token_buckets is None else _ints(token_buckets)
-        if loop != "device" or row_buckets in (None, "none", ""):
-            row_buckets = ()
-        elif row_buckets != "auto":
-            try:
-                row_buckets = _ints(row_buckets)
-            except ValueError:
-                raise LoadError(f"--row-buckets must be 'auto', 'none' or comma-separated row "
-                                f"counts, got {row_buckets!r}") from None
+        row_buckets = parse_row_buckets(row_buckets) if loop == "device" else ()
         return EngineConfig(num_slots=slots, max_len=max_len, gamma=gamma, method=method,
                             scheduler=SchedulerConfig(policy, k=k, threshold=threshold), seed=seed,
                             prefill_buckets=prefill_buckets, token_buckets=token_buckets,

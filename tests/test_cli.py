@@ -55,7 +55,7 @@ def test_serve_hf_checkpoint_ngram_jsonl_roundtrip(tmp_path):
     (["--drafter", "/no/such/dir"], "not 'ngram' and not a directory"),
     (["--policy", "fixed", "--online-calibration"], "does not read"),
     (["--slots", 2, "--row-buckets", "1,2"], "row_buckets must lie in [1, num_slots)"),
-    (["--row-buckets", "half"], "--row-buckets must be 'auto', 'none' or comma-separated"),
+    (["--row-buckets", "half"], "row buckets must be 'auto', 'none' or comma-separated"),
 ])
 def test_bad_combinations_fail_clearly(argv, message, capsys):
     rc, _ = _main(["serve", "--preset", "tiny"] + argv)

@@ -16,7 +16,8 @@ from specjax.buckets import SPSProfile
 from specjax.engine import Engine, EngineConfig, Request
 from specjax.engine import device_driver, engine as engine_mod
 from specjax.engine.device_loop import LoopSpec
-from specjax.engine.loop_rows import pick_rows, spec_for_rows
+from specjax.engine.loop_rows import pick_rows, shrink_point, spec_for_rows
+from specjax.engine.requests import parse_row_buckets
 from specjax.scheduling import SchedulerConfig
 
 pytestmark = pytest.mark.xdist_group("engine")
@@ -33,12 +34,20 @@ def test_row_bucket_config_and_choice():
         EngineConfig(num_slots=4, row_buckets="all")
     with pytest.raises(ValueError, match="device loop only"):
         EngineConfig(num_slots=4, row_buckets=(2,), loop="host")
+    # flag / config values
+    assert [parse_row_buckets(v) for v in ("auto", "none", "", None, "4,1", (2, 8))] == [
+        "auto", (), (), (), (4, 1), (2, 8)]
+    with pytest.raises(ValueError, match="comma-separated row counts"):
+        parse_row_buckets("half")
     # active slots first, then idle ones up to the smallest bucket; none fits -> every slot
     assert pick_rows([False, True, False, True, False], (1, 2, 4)) == [1, 3]
     assert pick_rows([False, True, False, False, False], (2, 4)) == [1, 0]
     assert pick_rows([True, True, True, False, False], (1, 2, 4)) == [0, 1, 2, 3]
     assert pick_rows([False] * 3, (1, 2)) == [0]
     assert pick_rows([True, True, True, False, True], (1, 2)) is None
+    # a call returns once the active slots fit the next smaller row bucket
+    assert shrink_point(None, (1, 2, 4)) == 4 and shrink_point(4, (1, 2, 4)) == 2
+    assert shrink_point(1, (1, 2, 4)) == -1 and shrink_point(None, ()) == -1
     spec = LoopSpec(policy="fixed", gamma=3, buckets=(4, 8, 16, 32), method="rejection",
                     max_steps=4)
     assert spec_for_rows(spec, 1).buckets == (4,)
@@ -80,6 +89,24 @@ def test_row_buckets_keep_greedy_decoding_under_mixed_load(target, kind, monkeyp
             assert res.finish_reason == reason
         assert {r for c, r in calls if c == "loop"} == {1, 2}, calls  # and full calls between
         assert {r for c, r in calls if c == "prefill"} >= {1}, calls
+
+
+def test_a_call_returns_when_its_slots_fit_a_smaller_row_bucket(target):
+    """Four requests admitted together that end after 2, 5, 10 and 16 tokens, with room for all
+    of them in one call (``loop_steps`` 64): the first call returns when two are left, the second
+    (on 2 rows) when one is left, the third runs it on 1 row; the tokens are plain greedy's."""
+    d, p, f = _drafter("ngram", target)
+    for policy in ("none", "fixed"):
+        engine = Engine(target, d, p, f, EngineConfig(
+            num_slots=4, max_len=40, gamma=3, prefill_buckets=(8,), loop_steps=64,
+            row_buckets="auto", scheduler=SchedulerConfig(policy, k=3)))
+        engine.warmup(profile=False)
+        reqs = [Request(prompt=[1 + i, 2, 3], max_new_tokens=n, temperature=0.0)
+                for i, n in enumerate((2, 5, 10, 16))]
+        results = engine.generate(reqs)
+        assert [s.active for s in engine.loop_stats] == [4, 2, 1], policy
+        for req, res in zip(reqs, results):
+            assert res.tokens == _greedy_reference(target, req)[0]
 
 
 def test_row_buckets_emit_the_same_sampled_tokens_with_a_deterministic_drafter(target):

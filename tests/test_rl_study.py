@@ -393,19 +393,22 @@ def test_rollout_speed_benchmark_measures_every_decoder():
     r = measure(model, drafter, params, prompts, eos_id=0, gamma=2, new_tokens=6,
                 max_prompt_length=8, temperature=1.0, reps=1, cost_reps=1)
     d = r["decoders"]
-    assert set(d) == {"generate", "engine_none", "spec", "spec_filters"}
+    assert set(d) == {"generate", "engine_none", "engine_none_rows", "spec", "spec_filters",
+                      "spec_rows"}
     for name, x in d.items():
         assert len(x["walls"]) == 1 and all(4 <= t <= 4 * 6 for t in x["tokens"]), name
     assert 1.0 <= d["spec"]["tau"] <= 3.0  # γ = 2
     base = d[r["baseline"]]["tokens_per_s"]
-    assert r["baseline"] in ("generate", "engine_none")
+    assert r["baseline"] == max(("generate", "engine_none", "engine_none_rows"),
+                                key=lambda n: d[n]["tokens_per_s"])
     assert d["spec"]["speedup"] == pytest.approx(d["spec"]["tokens_per_s"] / base)
     c = r["step_costs"]
     assert r["bound"] == pytest.approx(d["spec"]["tau"] * c["plain_s"] /
                                        (c["draft_s"] + c["verify_s"]))
     assert r["measured_over_bound"] == pytest.approx(d["spec"]["speedup"] / r["bound"])
-    for name in ("engine_none", "spec", "spec_filters"):  # admitting took some of each rep
-        assert 0 < d[name]["prefill_s"] < d[name]["wall_s"], name
+    for name in ("engine_none", "engine_none_rows", "spec", "spec_filters", "spec_rows"):
+        assert 0 < d[name]["prefill_s"] < d[name]["wall_s"], name  # admitting took some of a rep
+    assert r["rows_speedup"] == pytest.approx(d["spec"]["wall_s"] / d["spec_rows"]["wall_s"])
 
 
 def test_accuracy_per_problem_groups_samples_by_problem():

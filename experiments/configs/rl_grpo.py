@@ -47,6 +47,10 @@ def get_config(arg: str | None = None):
     # compiled prompt chunk sizes, fed as specjax.buckets.plan_chunks plans; () = 8, 32, 128, ...
     # up to the longest prompt (specjax.buckets.prompt_chunk_buckets)
     c.engine.prefill_buckets = ()
+    # device-loop calls and admissions run on the unfinished rollouts only, padded to a power of
+    # two ("auto"; "none": every slot every call): a GRPO batch's sequences end at different
+    # times (benchmarks/rl_rollout_speed.py, spec_rows); each row count compiles once more
+    c.engine.row_buckets = "auto"
 
     c.task = ml_collections.ConfigDict()
     c.task.problem_seed = 1234
@@ -85,6 +89,7 @@ def get_config(arg: str | None = None):
         c.engine.num_slots = 8
         c.engine.gamma = 2
         c.engine.prefill_buckets = (32,)  # one prefill compilation (prompts go in 32-token chunks)
+        c.engine.row_buckets = "none"  # fewer compilations (the engine tests cover row buckets)
         c.rl.steps = 2
         c.rl.prompts_per_step = 2
         c.rl.num_generations = 4

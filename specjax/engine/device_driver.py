@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from specjax.engine.device_loop import LoopSpec, LoopState, init_loop_state, run_loop
-from specjax.engine.loop_rows import pick_rows, run_loop_rows, spec_for_rows
+from specjax.engine.loop_rows import pick_rows, run_loop_rows, shrink_point, spec_for_rows
 from specjax.engine.requests import LoopStats
 
 # Stop tokens per request are padded to a multiple of this (a request with more stop tokens
@@ -128,10 +128,14 @@ class DeviceLoopMixin:
         if rows is None and self.config.loop_row_buckets:
             rows = pick_rows([live is not None for live in self.slots],
                              self.config.loop_row_buckets)
-        if rows is None or len(rows) == self.config.num_slots:
-            ls = run_loop(*args, *rest, spec=self._loop_spec)
+        if rows is not None and len(rows) == self.config.num_slots:
+            rows = None
+        shrink = self._put(np.int32(shrink_point(None if rows is None else len(rows),
+                                                 self.config.loop_row_buckets)))
+        if rows is None:
+            ls = run_loop(*args, *rest, shrink, spec=self._loop_spec)
         else:
-            ls = run_loop_rows(*args, self._put(np.asarray(rows, np.int32)), *rest,
+            ls = run_loop_rows(*args, self._put(np.asarray(rows, np.int32)), *rest, shrink,
                                spec=spec_for_rows(self._loop_spec, len(rows)))
         self.state = ls.dev
         self._carry = ls

@@ -12,8 +12,9 @@ One call runs, per step and without returning to the host::
              rejection / target-only per slot, caches and drafter committed by lengths
     emit     accepted tokens into the output buffer; stop tokens and max_new_tokens finish slots
 
-and returns when no slot is active, after ``spec.max_steps`` steps (the host streams then), or
-(``stop_on_finish``) as soon as a slot finishes while requests wait for admission. The host only
+and returns when no slot is active, after ``spec.max_steps`` steps (the host streams then),
+(``stop_on_finish``) as soon as a slot finishes while requests wait for admission, or
+(``shrink_at``) as soon as few enough slots are left for a smaller row bucket. The host only
 admits (prefill), streams and finishes.
 
 Plain decoding (policy "none") runs a dense ``[S, 1]`` decode step instead: no drafter, no
@@ -245,7 +246,7 @@ def bucketed_verify(target_graphdef, target_state, drafter, params, frozen, dev:
 def run_loop(target_graphdef: nnx.GraphDef, target_state, drafter, params, frozen,
              ls: LoopState, sampling: Sampling, seeds: jax.Array, stop_tokens: jax.Array,
              sps: jax.Array, sps_draft: jax.Array, sps_plain: jax.Array, key: jax.Array,
-             stop_on_finish: jax.Array, *, spec: LoopSpec) -> LoopState:
+             stop_on_finish: jax.Array, shrink_at=-1, *, spec: LoopSpec) -> LoopState:
     """Runs engine steps on the device until a return condition (module docstring).
 
     Args:
@@ -258,13 +259,16 @@ def run_loop(target_graphdef: nnx.GraphDef, target_state, drafter, params, froze
         it; 0 = not measured, then with ``sps``).
       key: the engine's drafting key (folded with ``ls.draws``).
       stop_on_finish: bool scalar: return as soon as a slot finishes.
+      shrink_at: int32 scalar: return as soon as no more than this many slots are active (the
+        host then runs the next call on fewer rows: ``EngineConfig.row_buckets``); -1: never.
     Returns:
       the final :class:`LoopState`.
     """
     g = spec.gamma
 
     def cond(ls: LoopState):
-        return (ls.t < spec.max_steps) & jnp.any(ls.active) & ~(stop_on_finish & ls.finished)
+        return ((ls.t < spec.max_steps) & jnp.any(ls.active) & ~(stop_on_finish & ls.finished)
+                & (jnp.sum(ls.active) > shrink_at))
 
     def body(ls: LoopState):
         dev = ls.dev

@@ -9,6 +9,9 @@ call can need. With row buckets it picks the smallest compiled row count ``R >= 
 :func:`run_loop_rows` gathers those ``R`` slots (the active ones, padded with distinct idle ones)
 out of every per-slot array, runs the same loop on them, and scatters the rows back, in one
 program: two copies of ``R`` cache rows per call instead of ``S - R`` idle rows in every step.
+A call also returns as soon as the slots still active fit the next smaller row bucket
+(:func:`shrink_point`), so that a batch whose requests end at different times (RL rollouts)
+runs its tail on fewer rows without waiting for ``loop_steps``.
 Admission does the same: :func:`prefill_rows` feeds a prompt chunk to the admitted slots only,
 padded to a row bucket, instead of a ``[S, C]`` chunk that is mostly padding.
 
@@ -57,6 +60,13 @@ def pick_rows(active: Sequence[bool], row_buckets: Sequence[int]) -> Optional[li
     return busy + idle[:r - len(busy)]
 
 
+def shrink_point(rows: Optional[int], row_buckets: Sequence[int]) -> int:
+    """How few active slots make a call on ``rows`` rows (``None``: every slot) return, so that
+    the next call runs on a smaller row bucket: the largest bucket below ``rows`` (-1: none)."""
+    below = [b for b in row_buckets if rows is None or b < rows]
+    return below[-1] if below else -1
+
+
 def spec_for_rows(spec: LoopSpec, rows: int) -> LoopSpec:
     """The loop spec for ``rows`` slots: verification buckets past the first that holds
     ``rows · (γ + 1)`` tokens can never be chosen, so they are not compiled."""
@@ -103,7 +113,8 @@ def _row_axis0(tree, rows):
                    donate_argnames=("ls",))
 def run_loop_rows(target_graphdef: nnx.GraphDef, target_state, drafter, params, frozen,
                   ls: LoopState, rows: jax.Array, sampling, seeds, stop_tokens, sps, sps_draft,
-                  sps_plain, key, stop_on_finish, *, spec: LoopSpec) -> LoopState:
+                  sps_plain, key, stop_on_finish, shrink_at=-1, *,
+                  spec: LoopSpec) -> LoopState:
     """:func:`~specjax.engine.device_loop.run_loop` on the slots ``rows`` (int32 ``[R]``,
     distinct) of the ``S``-slot loop state ``ls`` (donated); the other slots are left as they
     are. ``spec`` is the loop spec for ``R`` rows (:func:`spec_for_rows`); the other arguments
@@ -113,7 +124,7 @@ def run_loop_rows(target_graphdef: nnx.GraphDef, target_state, drafter, params, 
     # run_loop's undecorated function: traced into this program, not a nested jit call
     sub = run_loop.__wrapped__(target_graphdef, target_state, drafter, params, frozen, sub,
                                _row_axis0(sampling, rows), seeds[rows], stop_tokens[rows], sps,
-                               sps_draft, sps_plain, key, stop_on_finish, spec=spec)
+                               sps_draft, sps_plain, key, stop_on_finish, shrink_at, spec=spec)
     return put_rows(ls, sub, rows, axes)
 
 

@@ -64,6 +64,21 @@ class Result:
         return None if self.first_token_time is None else self.first_token_time - self.submit_time
 
 
+def parse_row_buckets(value) -> Union[tuple, str]:
+    """``EngineConfig.row_buckets`` from a flag or config value: ``"auto"``; ``"none"``, ``""``
+    or ``None`` -> ``()``; ``"1,2,4"`` or a sequence -> a tuple of ints. Raises ``ValueError``."""
+    if value is None or (isinstance(value, str) and value.strip() in ("none", "")):
+        return ()
+    if isinstance(value, str) and value.strip() == "auto":
+        return "auto"
+    items = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        return tuple(int(v) for v in items if str(v).strip())
+    except ValueError:
+        raise ValueError(f"row buckets must be 'auto', 'none' or comma-separated row counts, "
+                         f"got {value!r}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Engine shape and policy.
