@@ -45,6 +45,7 @@ import time
 import jax
 import numpy as np
 
+from specjax.machine import cpu_model
 from specjax.paths import dump_json, portable_argv, portable_values
 
 # the plain decoders: every speed-up is over the fastest of them in the same run
@@ -175,7 +176,8 @@ def main(argv=None) -> None:
                 reps=args.reps,
                 prefill_buckets=[int(b) for b in args.prefill_buckets.split(",")]
                 if args.prefill_buckets else None)
-    r = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+    r = {"machine": {"cpu": cpu_model() or platform.processor() or platform.machine(),
+                     "cores": os.cpu_count(),
                      "backend": jax.default_backend()},
          "config": portable_values(vars(args)), "argv": portable_argv(sys.argv[1:]),
          "target_params": model.config.num_params(), **r}
