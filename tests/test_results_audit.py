@@ -1052,3 +1052,34 @@ def test_quoted_row_bucket_numbers_match_the_committed_results():
                   f"instead of {w[0][policy + '/all_slots']:.1f} / "
                   f"{w[1][policy + '/all_slots']:.1f} s (\"{policy}\")")
         assert quoted in flat, quoted
+
+
+def test_quoted_rollout_row_bucket_numbers_match_the_committed_results():
+    """docs/RL.md's "Row buckets in rollouts", from the committed runs of
+    benchmarks/rl_rollout_speed.py with the row-bucket engines."""
+    flat = " ".join(open(os.path.join(ROOT, "docs", "RL.md")).read().split())
+    names = ("rl_rollout_speed_rows", "rl_rollout_speed_rows_repeat")
+    runs = [json.load(open(os.path.join(ROOT, "benchmarks", "results", f"{n}.json")))
+            for n in names]
+    for n, r in zip(names, runs):
+        d = r["decoders"]
+        assert "Intel" in r["machine"]["cpu"] and r["machine"]["cores"] == 2
+        assert (r["sequences"], r["config"]["reps"], r["config"]["temperature"],
+                r["config"]["new_tokens"]) == (32, 5, 1.0, 64)
+        assert r["baseline"] == "engine_none_rows" and round(d["spec"]["tau"], 2) == 2.47
+        assert d["engine_none"]["tokens"] == d["engine_none_rows"]["tokens"]
+        row = (f"| `{n}.json` | " + " | ".join(f"{d[k]['wall_s']:.3f}" for k in (
+            "generate", "engine_none", "engine_none_rows", "spec", "spec_rows"))
+            + f" | {r['rows_speedup']:.2f}x | {d['spec']['speedup']:.2f}x / "
+            f"{d['spec_rows']['speedup']:.2f}x |")
+        assert row in flat, row
+
+    def span(vals):
+        return f"{min(vals):.2f}-{max(vals):.2f}x"
+    assert f"rollout {span([r['rows_speedup'] for r in runs])} faster" in flat
+    plain = [r["decoders"]["engine_none"]["wall_s"] / r["decoders"]["engine_none_rows"]["wall_s"]
+             for r in runs]
+    assert f"plain decoding in the engine {span(plain)} faster" in flat
+    assert f"({span([r['decoders']['spec_rows']['speedup'] for r in runs])} with row buckets)" \
+        in flat
+    assert "τ 2.47 without row buckets" in flat
