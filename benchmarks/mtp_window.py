@@ -35,11 +35,10 @@ import argparse
 import dataclasses
 import os
 import platform
-import statistics
 import tempfile
-import time
 from typing import ClassVar, Optional
 
+from benchmarks.timing import alternating_runs, decoder_figures
 from specjax.drafters import MTPDrafter
 from specjax.machine import cpu_model
 from specjax.paths import dump_json, portable_values
@@ -134,19 +133,12 @@ def run(args) -> dict:
 
             calls = {"generate": plain, **{n: served(e) for n, e in engines.items()}}
             names = list(calls)
-            outs = {n: calls[n]() for n in names}  # warm-up (compiles), and the emitted tokens
-            times = {n: [] for n in names}
-            for r in range(args.reps):
-                for n in names[r % len(names):] + names[:r % len(names)]:
-                    t0 = time.perf_counter()
-                    calls[n]()
-                    times[n].append(time.perf_counter() - t0)
+            outs, times = alternating_runs(calls, args.reps)  # outs: the emitted tokens
             dec = {}
             for n in names:
                 toks, steps = outs[n]
-                count = sum(map(len, toks))
-                dec[n] = {"wall_s": statistics.median(times[n]), "runs_s": times[n],
-                          "tokens": count, "tokens_per_s": count / statistics.median(times[n])}
+                dec[n] = decoder_figures(toks, times[n])
+                count = dec[n]["tokens"]
                 if n in VARIANTS:
                     dec[n].update(steps=steps, tau=(count - len(ps)) / max(1, steps))
             base = max(("generate", "engine_none"), key=lambda n: dec[n]["tokens_per_s"])

@@ -32,10 +32,10 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import tempfile
 import time
 
+from benchmarks.timing import alternating_runs, decoder_figures
 from specjax.machine import cpu_model
 from specjax.paths import dump_json, portable_values
 
@@ -91,20 +91,12 @@ def run(args) -> dict:
                                       max_len=max_len, loop="device", seed=0).tokens, None
 
             calls = {**{n: served(e) for n, e in engines.items()}, "generate": plain}
-            outs = {n: calls[n]() for n in VARIANTS}  # warm-up (compiles), and the tokens
-            times = {n: [] for n in VARIANTS}
-            for r in range(args.reps):
-                for n in VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]:
-                    t0 = time.perf_counter()
-                    calls[n]()
-                    times[n].append(time.perf_counter() - t0)
+            outs, times = alternating_runs(calls, args.reps)  # outs: the emitted tokens
             dec = {}
             for n in VARIANTS:
                 toks, steps = outs[n]
-                count = sum(map(len, toks))
-                med = statistics.median(times[n])
-                dec[n] = {"wall_s": med, "runs_s": times[n], "tokens": count,
-                          "tokens_per_s": count / med}
+                dec[n] = decoder_figures(toks, times[n])
+                count = dec[n]["tokens"]
                 if steps is not None and policy != "none":
                     dec[n]["tau"] = (count - len(ps)) / max(1, steps)
             rate = {n: dec[n]["tokens_per_s"] for n in VARIANTS}

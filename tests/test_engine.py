@@ -84,6 +84,14 @@ def _greedy_reference(target, req):
     return toks, "length"
 
 
+def _assert_greedy(target, requests, results, label):
+    """Each result's tokens and finish reason are plain greedy decoding's."""
+    for req, res in zip(requests, results):
+        ref, reason = _greedy_reference(target, req)
+        assert res.tokens == ref, (label, req)
+        assert res.finish_reason == reason, (label, req)
+
+
 def _run_mixed(engine, requests, rng):
     """Submits requests in waves while others run (arrivals during decoding)."""
     ids, pending = [], list(requests)
@@ -125,11 +133,7 @@ def test_temperature0_equals_greedy_decoding_under_mixed_load(target, kind, loop
         engine.sps_table = 1.0 / (1.0 + 0.3 * np.arange(13))
         rng = np.random.default_rng(len(kind) * 100 + len(policy))
         reqs = _requests(rng, 8, stop=True)
-        results = _run_mixed(engine, reqs, rng)
-        for req, res in zip(reqs, results):
-            ref, reason = _greedy_reference(target, req)
-            assert res.tokens == ref, (kind, policy, req)
-            assert res.finish_reason == reason
+        _assert_greedy(target, reqs, _run_mixed(engine, reqs, rng), (kind, policy))
 
 
 @pytest.mark.parametrize("loop", ["device", "host"])

@@ -9,8 +9,9 @@ import jax
 import numpy as np
 import pytest
 from _shared_once import count_compiles
-from test_engine import (CRIT, V, _chi2, _drafter, _exact_first_tokens, _greedy_reference,
-                         _requests, _run_mixed, target)  # noqa: F401 (target: fixture)
+# target: test_engine's fixture (the same peaked tiny model)
+from test_engine import (CRIT, V, _assert_greedy, _chi2, _drafter, _exact_first_tokens,
+                         _greedy_reference, _requests, _run_mixed, target)  # noqa: F401
 
 from specjax.buckets import SPSProfile
 from specjax.engine import Engine, EngineConfig, Request
@@ -82,11 +83,7 @@ def test_row_buckets_keep_greedy_decoding_under_mixed_load(target, kind, monkeyp
         calls.clear()
         rng = np.random.default_rng(len(kind) * 100 + len(policy))
         reqs = _requests(rng, 10, stop=True)
-        results = _run_mixed(engine, reqs, rng)
-        for req, res in zip(reqs, results):
-            ref, reason = _greedy_reference(target, req)
-            assert res.tokens == ref, (kind, policy, req)
-            assert res.finish_reason == reason
+        _assert_greedy(target, reqs, _run_mixed(engine, reqs, rng), (kind, policy))
         assert {r for c, r in calls if c == "loop"} == {1, 2}, calls  # and full calls between
         assert {r for c, r in calls if c == "prefill"} >= {1}, calls
 

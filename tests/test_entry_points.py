@@ -237,6 +237,18 @@ def test_training_bench_cli(tmp_path):
     assert r["steps_per_s"] > 0 and r["tokens_per_s"] > 0
 
 
+def test_alternating_runs_rotate_the_order_and_keep_the_untimed_outputs():
+    from benchmarks.timing import alternating_runs, decoder_figures
+    order = []
+    calls = {n: (lambda n=n: order.append(n) or [[n] * (len(order))]) for n in "abc"}
+    outs, times = alternating_runs(calls, 3)
+    assert order == list("abc") + list("abc") + list("bca") + list("cab")
+    assert outs == {"a": [["a"]], "b": [["b", "b"]], "c": [["c"] * 3]}  # the untimed calls'
+    assert {n: len(t) for n, t in times.items()} == {"a": 3, "b": 3, "c": 3}
+    f = decoder_figures([[1, 2], [3]], [2.0, 1.0, 4.0])
+    assert f == {"wall_s": 2.0, "runs_s": [2.0, 1.0, 4.0], "tokens": 3, "tokens_per_s": 1.5}
+
+
 def test_loop_profile_self_times_take_nested_events_off_their_parent():
     """A ``while`` of 10 ns holding two ops of 3 and 4 ns, one of which holds a 1 ns op, and a
     later op on its own: self times 3, 2, 4 and 1 (and 5)."""

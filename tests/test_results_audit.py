@@ -1036,7 +1036,7 @@ def test_quoted_row_bucket_numbers_match_the_committed_results():
     one = {p: [c["rows_over_all"] for c in cells if c["load"] == 1 and c["policy"] == p]
            for p in ("none", "fixed")}
     assert f"{min(one['none']):.1f}-{max(one['none']):.1f}x faster with row buckets" in flat
-    assert {round(x, 1) for x in one["fixed"]} == {5.5} and "and 5.5x faster" in flat
+    assert f"and {min(one['fixed']):.1f}-{max(one['fixed']):.1f}x faster with speculation" in flat
     assert f"{min(one['none']):.1f}-{max(one['none']):.1f}x faster with it than without" in readme
     eight = [c["rows_over_all"] for c in cells if c["load"] == 8]
     assert f"to {min(eight):.1f}-{max(eight):.1f}x at C = 8" in flat

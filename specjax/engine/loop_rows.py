@@ -2,18 +2,18 @@
 
 Every step of :func:`~specjax.engine.device_loop.run_loop` computes all ``S`` slots: an idle
 slot still drafts, still sits in the verification's attention grid and still reads its cache
-window. On a lightly loaded server that is most of the work (one request on a 32-slot engine ran
-8.7x slower than on a one-slot engine on a 2-core CPU). Slots only *leave* during a device-loop
-call (admission happens between calls), so the host knows before each call how many rows the
-call can need. With row buckets it picks the smallest compiled row count ``R >= active`` and
-:func:`run_loop_rows` gathers those ``R`` slots (the active ones, padded with distinct idle ones)
-out of every per-slot array, runs the same loop on them, and scatters the rows back, in one
-program: two copies of ``R`` cache rows per call instead of ``S - R`` idle rows in every step.
-A call also returns as soon as the slots still active fit the next smaller row bucket
-(:func:`shrink_point`), so that a batch whose requests end at different times (RL rollouts)
-runs its tail on fewer rows without waiting for ``loop_steps``.
-Admission does the same: :func:`prefill_rows` feeds a prompt chunk to the admitted slots only,
-padded to a row bucket, instead of a ``[S, C]`` chunk that is mostly padding.
+window, and an admission feeds a ``[S, C]`` prompt chunk that is mostly padding. On a lightly
+loaded server that is most of the work (``docs/SERVING.md``, "Idle slots", measures it). Slots
+only *leave* during a device-loop call (admission happens between calls), so the host knows
+before each call how many rows the call can need. With row buckets it picks the smallest
+compiled row count ``R >= active`` and :func:`run_loop_rows` gathers those ``R`` slots (the
+active ones, padded with distinct idle ones) out of every per-slot array, runs the same loop on
+them, and scatters the rows back, in one program: two copies of ``R`` cache rows per call instead
+of ``S - R`` idle rows in every step. Admission does the same: :func:`prefill_rows` feeds a
+prompt chunk to the admitted slots only, padded to a row bucket. A call also returns as soon as
+the slots still active fit the next smaller row bucket (:func:`shrink_point`), so that a batch
+whose requests end at different times (RL rollouts) runs its tail on fewer rows without waiting
+for ``loop_steps``.
 
 Exactness: a row's computation never reads another row (verification noise is keyed by each
 request's seed and step count), so the loop on a subset of rows emits what it would emit on all
@@ -48,7 +48,7 @@ def pick_rows(active: Sequence[bool], row_buckets: Sequence[int]) -> Optional[li
 
     Args:
       active: ``[S]`` slot holds a running request.
-      row_buckets: ascending row counts (:func:`validate_row_buckets`).
+      row_buckets: ascending row counts (``EngineConfig.loop_row_buckets``).
     Returns:
       distinct slot indices (active first, ascending), or ``None``.
     """
@@ -106,6 +106,7 @@ def put_rows(full, sub, rows: jax.Array, axes):
 
 
 def _row_axis0(tree, rows):
+    # per-slot arguments (sampling fields) are [S] arrays; scalars apply to every row
     return jax.tree.map(lambda x: x[rows] if jnp.ndim(x) else x, tree)
 
 
