@@ -66,6 +66,21 @@ VARIANTS = {"speculative": MTPDrafter, "speculative_window_only": WindowOnlyMTP,
             "speculative_earlier": EarlierMTP}
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The flags :func:`load_models` reads besides the prompts': the quickstart's target and MTP
+    head workdirs (or ``--quick``) and the draft length."""
+    p.add_argument("--target", help="target workdir (the quickstart's target-<key>)")
+    p.add_argument("--drafter", help="MTP head workdir (the quickstart's mtp_e2e_tv_ws-<key>)")
+    p.add_argument("--quick", action="store_true", help="random tiny target, fresh MTP head")
+    p.add_argument("--gamma", type=int, default=None, help="draft length (default: trained γ)")
+
+
+def check_model_args(p: argparse.ArgumentParser, args) -> None:
+    """Exits with a usage error unless both workdirs or ``--quick`` were given."""
+    if not args.quick and not (args.target and args.drafter):
+        p.error("give --target and --drafter (workdirs), or --quick")
+
+
 def load_models(args):
     """``(target (graphdef, state), drafter, params, frozen, gamma, prompts per domain)``."""
     import numpy as np
@@ -185,10 +200,7 @@ def run(args) -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--target", help="target workdir (the quickstart's target-<key>)")
-    p.add_argument("--drafter", help="MTP head workdir (the quickstart's mtp_e2e_tv_ws-<key>)")
-    p.add_argument("--quick", action="store_true", help="random tiny target, fresh MTP head")
-    p.add_argument("--gamma", type=int, default=None, help="draft length (default: trained γ)")
+    add_model_args(p)
     p.add_argument("--domains", nargs="+", default=["math", "code"])
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     p.add_argument("--prompts", type=int, default=2, help="held-out prompts per domain")
@@ -197,8 +209,7 @@ def main(argv=None) -> dict:
     p.add_argument("--reps", type=int, default=7, help="timed runs per decoder and cell")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    if not args.quick and not (args.target and args.drafter):
-        p.error("give --target and --drafter (workdirs), or --quick")
+    check_model_args(p, args)
     if args.reps < 1 or args.prompts < 1 or args.new_tokens < 1:
         p.error("--reps, --prompts and --new_tokens must be >= 1")
     if args.quick:

@@ -149,11 +149,9 @@ def plot(result: dict, path: str) -> None:
 
 
 def main(argv=None) -> dict:
+    from benchmarks.mtp_window import add_model_args, check_model_args
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--target", help="target workdir (the quickstart's target-<key>)")
-    p.add_argument("--drafter", help="MTP head workdir (the quickstart's mtp_e2e_tv_ws-<key>)")
-    p.add_argument("--quick", action="store_true", help="random tiny target, fresh MTP head")
-    p.add_argument("--gamma", type=int, default=None, help="draft length (default: trained γ)")
+    add_model_args(p)
     p.add_argument("--slots", type=int, default=32, help="slots of the server's engine (S)")
     p.add_argument("--loads", nargs="+", type=int, default=[1, 2, 4, 8, 32],
                    help="requests served at once (C <= S)")
@@ -166,8 +164,7 @@ def main(argv=None) -> dict:
     p.add_argument("--reps", type=int, default=5, help="timed runs per variant and cell")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    if not args.quick and not (args.target and args.drafter):
-        p.error("give --target and --drafter (workdirs), or --quick")
+    check_model_args(p, args)
     if args.reps < 1 or args.new_tokens < 1 or args.slots < 2:
         p.error("--reps and --new_tokens must be >= 1, --slots >= 2")
     if any(not 1 <= c <= args.slots for c in args.loads):

@@ -227,6 +227,18 @@ def _exact_first_tokens_uncached(target, prompt):
     return joint12, marg3
 
 
+def _assert_first_tokens_follow_target(target, prompt, toks):
+    """Chi-square at the 1e-6 level: the first two tokens of ``toks`` (int ``[n, >= 3]``, n
+    samples after ``prompt``) follow the target's exact joint, the third its exact marginal."""
+    joint12, marg3 = _exact_first_tokens(target, prompt)
+    c12 = np.zeros((V, V))
+    np.add.at(c12, (toks[:, 0], toks[:, 1]), 1)
+    stat, df = _chi2(c12, joint12)
+    assert stat < CRIT(df), (stat, df)
+    stat, df = _chi2(np.bincount(toks[:, 2], minlength=V), marg3)
+    assert stat < CRIT(df), (stat, df)
+
+
 def _chi2(counts, probs):
     """Pearson statistic with bins of expected count < 5 pooled; returns (stat, df)."""
     counts, probs = np.ravel(counts).astype(float), np.ravel(probs)
@@ -285,13 +297,7 @@ def test_temperature1_engine_with_scheduler_is_lossless(target, policy, draft_s,
     if calibrate:  # the calibration saw verified drafts and moved the confidences
         rho, _, pred = engine.calibration_state()
         assert float(np.sum(pred)) > 10 and np.all(np.abs(rho - 1) > 1e-3), rho
-    joint12, marg3 = _exact_first_tokens(target, prompt)
-    c12 = np.zeros((V, V))
-    np.add.at(c12, (toks[:, 0], toks[:, 1]), 1)
-    stat, df = _chi2(c12, joint12)
-    assert stat < CRIT(df), (stat, df)
-    stat, df = _chi2(np.bincount(toks[:, 2], minlength=V), marg3)
-    assert stat < CRIT(df), (stat, df)
+    _assert_first_tokens_follow_target(target, prompt, toks)
 
 
 # ---- DSpark Appendix A at the engine level ---------------------------------------------------
