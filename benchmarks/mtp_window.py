@@ -66,12 +66,15 @@ VARIANTS = {"speculative": MTPDrafter, "speculative_window_only": WindowOnlyMTP,
             "speculative_earlier": EarlierMTP}
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The flags :func:`load_models` reads besides the prompts': the quickstart's target and MTP
-    head workdirs (or ``--quick``) and the draft length."""
+def add_model_args(p: argparse.ArgumentParser, kind: str = "mtp") -> None:
+    """The flags :func:`load_models` reads besides the prompts': the quickstart's target and a
+    drafter workdir (``kind``: as :func:`load_models`), or ``--quick``, and the draft length."""
     p.add_argument("--target", help="target workdir (the quickstart's target-<key>)")
-    p.add_argument("--drafter", help="MTP head workdir (the quickstart's mtp_e2e_tv_ws-<key>)")
-    p.add_argument("--quick", action="store_true", help="random tiny target, fresh MTP head")
+    p.add_argument("--drafter", help={
+        "mtp": "MTP head workdir (the quickstart's mtp_e2e_tv_ws-<key>)",
+        "dspark": "DSpark drafter workdir (train_drafter.py:dspark_markov on that target)"}[kind])
+    fresh = "MTP head" if kind == "mtp" else "DSpark drafter"
+    p.add_argument("--quick", action="store_true", help=f"random tiny target, fresh {fresh}")
     p.add_argument("--gamma", type=int, default=None, help="draft length (default: trained γ)")
 
 
@@ -81,17 +84,26 @@ def check_model_args(p: argparse.ArgumentParser, args) -> None:
         p.error("give --target and --drafter (workdirs), or --quick")
 
 
-def load_models(args):
-    """``(target (graphdef, state), drafter, params, frozen, gamma, prompts per domain)``."""
+def load_models(args, kind: str = "mtp"):
+    """``(target (graphdef, state), drafter, params, frozen, gamma, prompts per domain)``.
+
+    ``kind``: "mtp" (``--drafter`` must hold an MTP head; ``--quick`` makes one) or "dspark"
+    (``--drafter`` a DSpark drafter with its confidence head; ``--quick`` makes one)."""
     import numpy as np
+
+    from specjax.drafters import DSparkDrafter
+    need = {"mtp": MTPDrafter, "dspark": DSparkDrafter}[kind]
     if args.quick:
         from flax import nnx
 
-        from specjax.drafters import MTPConfig, shared_head
+        from specjax.drafters import DSparkConfig, MTPConfig, shared_head
         from specjax.models import get_preset, init_model
         config = get_preset("tiny")
         target = nnx.split(init_model(config, seed=0))
-        drafter, params = MTPDrafter.create(config, MTPConfig(shared=True), seed=0)
+        if kind == "mtp":
+            drafter, params = MTPDrafter.create(config, MTPConfig(shared=True), seed=0)
+        else:
+            drafter, params = DSparkDrafter.create(config, DSparkConfig(), seed=0)
         rng = np.random.default_rng(0)
         prompts = {d: [rng.integers(1, config.vocab_size, size=args.prompt_len).tolist()
                        for _ in range(args.prompts)] for d in args.domains}
@@ -101,9 +113,9 @@ def load_models(args):
     from experiments.reproduce_steps import load_target_run
     _, target, tok = load_target_run(args.target)
     drafter, params, frozen, trained_gamma = load_trained(args.drafter, target[1])
-    if not isinstance(drafter, MTPDrafter):
-        raise SystemExit(f"mtp_window: {args.drafter} holds a {type(drafter).__name__}, "
-                         "not an MTP head")
+    if not isinstance(drafter, need):
+        raise SystemExit(f"{args.drafter} holds a {type(drafter).__name__}, not a "
+                         f"{need.__name__}")
     prompts = {d: heldout_prompts(tok, d, args.prompts, args.prompt_len) for d in args.domains}
     return target, drafter, params, frozen, args.gamma or trained_gamma, prompts
 

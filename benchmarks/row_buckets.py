@@ -120,27 +120,27 @@ def run(args) -> dict:
             "gamma": int(gamma), "max_len": max_len, "warmup_s": warmup_s, "cells": cells}
 
 
-def plot(result: dict, path: str) -> None:
-    """tokens/s against load, one panel per policy, one line per variant."""
+def plot_loads(result: dict, path: str, panel_key: str, titles: dict, labels: dict,
+               dashed: tuple) -> None:
+    """tokens/s against load: one panel per value of each cell's ``panel_key`` (titled
+    ``titles[value]``), one line per decoder in ``labels`` (name -> legend), ``dashed`` ones
+    dashed (the references). Writes ``path``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    policies = list(dict.fromkeys(c["policy"] for c in result["cells"]))
-    fig, axes = plt.subplots(1, len(policies), figsize=(5 * len(policies), 3.8), squeeze=False)
-    labels = {"all_slots": f"{result['config']['slots']} slots, every call on every slot",
-              "row_buckets": f"{result['config']['slots']} slots, row buckets",
-              "sized": "engine with C slots", "generate": "generate(), batch C"}
-    for ax, policy in zip(axes[0], policies):
-        cells = [c for c in result["cells"] if c["policy"] == policy]
+    panels = list(dict.fromkeys(c[panel_key] for c in result["cells"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
+    for ax, value in zip(axes[0], panels):
+        cells = [c for c in result["cells"] if c[panel_key] == value]
         loads = [c["load"] for c in cells]
-        for n in VARIANTS:
+        for n, label in labels.items():
             ax.plot(loads, [c["decoders"][n]["tokens_per_s"] for c in cells], marker="o",
-                    label=labels[n], linestyle="--" if n in ("sized", "generate") else "-")
+                    label=label, linestyle="--" if n in dashed else "-")
         ax.set_xscale("log", base=2)
         ax.set_xticks(loads, [str(x) for x in loads])
         ax.set_xlabel("requests at once (C)")
         ax.set_ylabel("tokens/s")
-        ax.set_title(f'policy "{policy}"')
+        ax.set_title(titles[value])
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
@@ -148,23 +148,32 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> dict:
-    from benchmarks.mtp_window import add_model_args, check_model_args
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_model_args(p)
+def plot(result: dict, path: str) -> None:
+    """tokens/s against load, one panel per policy, one line per variant."""
+    slots = result["config"]["slots"]
+    labels = {"all_slots": f"{slots} slots, every call on every slot",
+              "row_buckets": f"{slots} slots, row buckets",
+              "sized": "engine with C slots", "generate": "generate(), batch C"}
+    titles = {p: f'policy "{p}"' for p in ("none", "fixed")}
+    plot_loads(result, path, "policy", titles, labels, dashed=("sized", "generate"))
+
+
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    """The flags of a server at loads C: slots, loads, prompt and answer lengths, loop steps per
+    call, timed runs and ``--out``."""
     p.add_argument("--slots", type=int, default=32, help="slots of the server's engine (S)")
     p.add_argument("--loads", nargs="+", type=int, default=[1, 2, 4, 8, 32],
                    help="requests served at once (C <= S)")
-    p.add_argument("--policies", nargs="+", default=["none", "fixed"],
-                   choices=["none", "fixed"])
-    p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--prompt_len", type=int, default=32)
     p.add_argument("--new_tokens", type=int, default=96)
     p.add_argument("--loop_steps", type=int, default=16, help="device-loop steps per call")
     p.add_argument("--reps", type=int, default=5, help="timed runs per variant and cell")
     p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
-    check_model_args(p, args)
+
+
+def check_load_args(p: argparse.ArgumentParser, args) -> None:
+    """Usage errors for :func:`add_load_args`' flags; sorts the loads; ``--quick`` shrinks the
+    run to a 4-slot engine at loads 1 and 4, 8-token prompts and answers, one timed run."""
     if args.reps < 1 or args.new_tokens < 1 or args.slots < 2:
         p.error("--reps and --new_tokens must be >= 1, --slots >= 2")
     if any(not 1 <= c <= args.slots for c in args.loads):
@@ -173,14 +182,33 @@ def main(argv=None) -> dict:
     if args.quick:
         args.slots, args.loads, args.new_tokens, args.reps = 4, [1, 4], 8, 1
         args.prompt_len, args.loop_steps = 8, 4
+
+
+def write_results(args, name: str, result: dict, plot_fn) -> None:
+    """``result`` to ``--out`` (default ``benchmarks/results/<name>.json``; ``--quick``: the temp
+    directory) and ``plot_fn(result, png)`` beside it."""
     out = args.out or (
-        os.path.join(tempfile.gettempdir(), "specjax_quick", "row_buckets.json") if args.quick
-        else os.path.join("benchmarks", "results", "row_buckets.json"))
-    result = run(args)
+        os.path.join(tempfile.gettempdir(), "specjax_quick", f"{name}.json") if args.quick
+        else os.path.join("benchmarks", "results", f"{name}.json"))
     dump_json(out, result)
     png = os.path.splitext(out)[0] + ".png"
-    plot(result, png)
+    plot_fn(result, png)
     print(f"-> {out}, {png}")
+
+
+def main(argv=None) -> dict:
+    from benchmarks.mtp_window import add_model_args, check_model_args
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_args(p)
+    add_load_args(p)
+    p.add_argument("--policies", nargs="+", default=["none", "fixed"],
+                   choices=["none", "fixed"])
+    p.add_argument("--temperature", type=float, default=0.0)
+    args = p.parse_args(argv)
+    check_model_args(p, args)
+    check_load_args(p, args)
+    result = run(args)
+    write_results(args, "row_buckets", result, plot)
     return result
 
 

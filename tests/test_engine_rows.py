@@ -19,6 +19,8 @@ from specjax.engine import device_driver, engine as engine_mod
 from specjax.engine.device_loop import LoopSpec
 from specjax.engine.loop_rows import pick_rows, shrink_point, spec_for_rows
 from specjax.engine.requests import parse_row_buckets
+from specjax.engine.step_costs import fill_unreachable
+from specjax.engine.warmup import row_cache_path
 from specjax.scheduling import SchedulerConfig
 
 pytestmark = pytest.mark.xdist_group("engine")
@@ -54,6 +56,12 @@ def test_row_bucket_config_and_choice():
     assert spec_for_rows(spec, 1).buckets == (4,)
     assert spec_for_rows(spec, 3).buckets == (4, 8, 16)  # 12 tokens: bucket 16
     assert spec_for_rows(spec, 8).buckets == (4, 8, 16, 32)
+    # a row bucket's profile: rates of the buckets it can fill, the last one repeated
+    assert fill_unreachable([3.0, 2.0], 4) == (3.0, 2.0, 2.0, 2.0)
+    with pytest.raises(ValueError, match="3 rates for 2 buckets"):
+        fill_unreachable([1.0, 1.0, 1.0], 2)
+    assert row_cache_path("runs/sps.json", 4) == "runs/sps.rows4.json"
+    assert row_cache_path(None, 4) is None
 
 
 GREEDY_CASES = {"mtp": ("fixed",), "dspark": ("dspark", "production"), "ngram": ("none",),
@@ -126,17 +134,26 @@ def test_row_buckets_emit_the_same_sampled_tokens_with_a_deterministic_drafter(t
     assert sum(map(len, out[()])) > 40
 
 
-@pytest.mark.parametrize("policy,draft_s", [("dspark", 0.0), ("production", 0.4)])
-def test_row_buckets_engine_is_lossless_at_temperature1(target, policy, draft_s):
+# per-row profiles that price the 1- and 2-row programs unlike the all-slot one: drafting is
+# free on 1 row, dear on 2
+_ROW_PROFILES = {1: SPSProfile((4, 8, 16), (1.0, 1.0, 1.0), draft_s=0.0),
+                 2: SPSProfile((4, 8, 16), (1.0, 0.5, 0.25), draft_s=0.8, plain_s=0.5)}
+
+
+@pytest.mark.parametrize("policy,draft_s,by_rows", [("dspark", 0.0, None),
+                                                    ("production", 0.4, None),
+                                                    ("production", 0.4, _ROW_PROFILES)])
+def test_row_buckets_engine_is_lossless_at_temperature1(target, policy, draft_s, by_rows):
     """Many seeds of one prompt, arriving 0-3 per call into 4 slots (calls on 1, 2 and 4 rows),
     compete for the verification budget with the sampling DSpark drafter; the first three tokens
-    follow the target's exact joint / marginal (chi-square, 1e-6 level)."""
+    follow the target's exact joint / marginal (chi-square, 1e-6 level). Also with a profile per
+    row bucket, so that the lengths chosen move with the call's rows."""
     d, p, f = _drafter("dspark", target)
     cfg = EngineConfig(num_slots=4, max_len=24, gamma=3, prefill_buckets=(2, 8), loop_steps=2,
                        row_buckets="auto", filters=False, scheduler=SchedulerConfig(policy))
     engine = Engine(target, d, p, f, cfg)
     engine.warmup(profile=False)
-    engine.set_sps(SPSProfile((4, 8, 16), (1.0, 0.9, 0.5), draft_s=draft_s))
+    engine.set_sps(SPSProfile((4, 8, 16), (1.0, 0.9, 0.5), draft_s=draft_s), by_rows=by_rows)
     prompt, n = [3, 7, 1], 3000
     rng = np.random.default_rng(0)
     ids, seed = [], 0
@@ -176,3 +193,73 @@ def test_row_buckets_compile_nothing_after_warmup(target):
                 engine.step()
     assert len({s.active for s in engine.loop_stats}) >= 3
     assert compiles == []
+
+
+def _draft_steps(engine, reqs):
+    engine.loop_stats.clear()
+    engine.generate(reqs)
+    return sum(s.draft_steps for s in engine.loop_stats), {s.active for s in engine.loop_stats}
+
+
+def test_a_call_on_a_row_bucket_reads_that_buckets_profile(target):
+    """production (without exploration) drafts or not by the SPS tables it is given: a profile
+    whose plain step is (nearly) free never drafts, one whose plain step is (nearly) endless
+    does. One request at a time runs on 1 row, so it follows the 1-row profile, whatever the
+    all-slot one says."""
+    d, p, f = _drafter("dspark", target)
+    engine = Engine(target, d, p, f, EngineConfig(
+        num_slots=4, max_len=40, gamma=3, prefill_buckets=(8,), loop_steps=4, row_buckets="auto",
+        scheduler=SchedulerConfig("production", explore_every=0)))
+    engine.warmup(profile=False)
+    b = tuple(engine.buckets)
+    plain_wins = SPSProfile(b, (1.0,) * len(b), plain_s=1e-9)
+    draft_wins = SPSProfile(b, (1.0,) * len(b), plain_s=1e9)
+    reqs = [Request(prompt=[3, 1, 4], max_new_tokens=12, temperature=0.0)]
+    for full, one, drafts in ((plain_wins, draft_wins, True), (draft_wins, plain_wins, False),
+                              (draft_wins, None, True), (plain_wins, None, False)):
+        engine.set_sps(full, by_rows=None if one is None else {1: one})
+        n, actives = _draft_steps(engine, reqs)
+        assert actives == {1}
+        assert (n > 0) == drafts, (n, drafts)
+    with pytest.raises(ValueError, match=r"rows \[4\]"):
+        engine.set_sps(plain_wins, by_rows={4: plain_wins})
+    with pytest.raises(ValueError, match=r"\(rows 2\)"):
+        engine.set_sps(plain_wins, by_rows={2: SPSProfile((4,), (1.0,))})
+
+
+@pytest.mark.parametrize("policy", ["production", "dspark"])
+def test_warmup_profiles_each_row_bucket_and_then_compiles_nothing(target, policy, tmp_path):
+    """Warm-up times a profile on every row bucket's program (production: the loop itself;
+    dspark: its steps on the gathered rows), with the buckets a call on those rows can fill, and
+    keeps them beside ``sps_cache``; a second engine loads them. Serving after warm-up compiles
+    nothing (the profile ran the row programs the engine runs)."""
+    jax.clear_caches()
+    d, p, f = _drafter("dspark", target)
+    cache = str(tmp_path / "sps.json")
+    cfg = EngineConfig(num_slots=4, max_len=40, gamma=3, prefill_buckets=(8,), loop_steps=3,
+                       row_buckets="auto", profile_reps=1, sps_cache=cache,
+                       scheduler=SchedulerConfig(policy))
+    engine = Engine(target, d, p, f, cfg)
+    engine.warmup()
+    assert sorted(engine.sps_rows) == [1, 2] and engine.sps.key.endswith("ctx10")
+    for r, prof in engine.sps_rows.items():
+        assert prof.key == f"{engine.sps.key}/rows{r}" and prof.plain_s > 0
+        assert list(prof.buckets) == engine.buckets
+        reach = len(spec_for_rows(engine._loop_spec, r).buckets)
+        assert reach < len(engine.buckets)  # 4 and 8 tokens: buckets 4 and 8 of (4, 8, 16)
+        assert all(x == prof.steps_per_s[reach - 1] for x in prof.steps_per_s[reach:])
+        assert SPSProfile.load(row_cache_path(cache, r)) == prof
+    with count_compiles() as compiles:
+        rng = np.random.default_rng(1)
+        for step in range(30):
+            for _ in range(int(rng.integers(0, 3)) if step % 10 < 5 else 0):
+                engine.submit(Request(prompt=rng.integers(0, V, size=5).tolist(),
+                                      max_new_tokens=int(rng.integers(1, 12)),
+                                      temperature=1.0, seed=step))
+            if engine.has_work():
+                engine.step()
+    assert len({s.active for s in engine.loop_stats}) >= 2
+    assert compiles == []
+    again = Engine(target, d, p, f, cfg)
+    again.warmup()
+    assert again.sps == engine.sps and again.sps_rows == engine.sps_rows  # loaded, not timed

@@ -289,6 +289,16 @@ def test_loop_profile_self_times_take_nested_events_off_their_parent():
              for c in r["cells"])
      and set(r["warmup_s"]) == {"none/all_slots", "none/row_buckets", "fixed/all_slots",
                                 "fixed/row_buckets"}),
+    # production with a profile per row bucket and with the all-slot one, fixed K, the fastest
+    # plain decoder: same greedy tokens; a profile timed for each row bucket of a 4-slot engine
+    ("benchmarks.row_profiles", [], lambda r: [(c["temperature"], c["load"]) for c in r["cells"]]
+     == [(0.0, 1), (0.0, 4), (1.0, 1), (1.0, 4)]
+     and all(c["same_tokens"] for c in r["cells"] if c["temperature"] == 0)
+     and all(c["decoders"][n]["tokens"] == 8 * c["load"] for c in r["cells"]
+             for n in ("row_profiles", "slot_profile", "fixed", "plain"))
+     and r["row_buckets"] == [1, 2] and set(r["profile_s"]) == {"all", "rows1", "rows2"}
+     and set(r["profiles"]) == {"all", "rows1", "rows2"}
+     and all(p["plain_sps"] > 0 for p in r["profiles"].values())),
 ])
 def test_benchmark_quick(module, extra, check, tmp_path, tmp_path_factory):
     out = tmp_path / "out.json"
@@ -299,5 +309,5 @@ def test_benchmark_quick(module, extra, check, tmp_path, tmp_path_factory):
     # (prefill, the host loop's steps for overlap on and off), which then load instead of compile
     run_module(hermetic_env(tmp_path, compile_cache(tmp_path_factory)), module, *args)
     assert check(json.load(open(out)))
-    if module == "benchmarks.row_buckets":
+    if module in ("benchmarks.row_buckets", "benchmarks.row_profiles"):
         assert (tmp_path / "out.png").stat().st_size > 0

@@ -1054,6 +1054,80 @@ def test_quoted_row_bucket_numbers_match_the_committed_results():
         assert quoted in flat, quoted
 
 
+def test_quoted_row_profile_numbers_match_the_committed_results():
+    """docs/SERVING.md's "A profile per row bucket" (table and bullets), from the committed runs
+    of benchmarks/row_profiles.py."""
+    doc = open(os.path.join(ROOT, "docs", "SERVING.md")).read()
+    flat = " ".join(doc.split())
+    runs = [json.load(open(os.path.join(ROOT, "benchmarks", "results", f"{n}.json")))
+            for n in ("row_profiles", "row_profiles_repeat")]
+    for r in runs:
+        c = r["config"]
+        assert (c["slots"], c["loads"], c["temperatures"]) == (32, [1, 2, 4, 8, 32], [0.0, 1.0])
+        assert (c["new_tokens"], c["reps"], r["gamma"], r["row_buckets"]) == (96, 5, 7,
+                                                                              [1, 2, 4, 8, 16])
+        assert "Intel" in r["machine"]["cpu"] and r["machine"]["cores"] == 2
+        assert all(cell["same_tokens"] for cell in r["cells"] if cell["temperature"] == 0)
+        assert all(cell["decoders"]["plain"]["decoder"] == "generate" for cell in r["cells"])
+    assert "At T = 0 all four decoders emitted the same tokens in every cell" in flat
+    assert "(`generate()` in every cell here)" in flat and "median of 5 alternating runs" in flat
+
+    def pair(a, b, f):
+        return f"{f(a)} / {f(b)}"
+
+    def dec(n, key, fmt):
+        return lambda c: fmt.format(c["decoders"][n][key])
+    for a, b in zip(runs[0]["cells"], runs[1]["cells"]):
+        cols = [pair(a, b, dec("row_profiles", "tokens_per_s", "{:.0f}")),
+                pair(a, b, dec("slot_profile", "tokens_per_s", "{:.0f}")),
+                pair(a, b, lambda c: f"{c['row_over_slot_profile']:.2f}") + "x",
+                pair(a, b, lambda c: f"{100 * c['decoders']['row_profiles']['drafting_share']:.0f}")
+                + " %",
+                pair(a, b, lambda c: f"{100 * c['decoders']['slot_profile']['drafting_share']:.0f}")
+                + " %",
+                pair(a, b, lambda c: f"{c['row_profiles_over_plain']:.2f}") + "x"]
+        row = f"| {a['temperature']:g} | {a['load']} | " + " | ".join(cols) + " |"
+        assert row in doc, row
+    cells = [c for r in runs for c in r["cells"]]
+
+    def span(vals, d=2):
+        return f"{min(vals):.{d}f}-{max(vals):.{d}f}"
+    light = [c["row_over_slot_profile"] for c in cells if c["load"] < 32]
+    null = [c["row_over_slot_profile"] for c in cells if c["load"] == 32]
+    assert f"Per-row / all-slot ran {span(light)}x at C = 1-8" in flat
+    assert f"ran {span(null)}x, so" in flat
+    mid = [c for c in cells if c["load"] in (4, 8)]
+    fewer = [c for c in mid if c["decoders"]["row_profiles"]["drafting_share"]
+             < c["decoders"]["slot_profile"]["drafting_share"]]
+
+    def share(cs, n):
+        return span([100 * c["decoders"][n]["drafting_share"] for c in cs], 0)
+    words = ["no", "one", "two", "three", "four", "five", "six", "seven", "eight"]
+    assert (f"fewer steps in {words[len(fewer)]} of the eight cells "
+            f"({share(fewer, 'row_profiles')} % against {share(fewer, 'slot_profile')} %)") in flat
+    # plain / drafting steps per second over the buckets each row count can fill (first run)
+    first = runs[0]
+    ratios = {}
+    for name, prof in first["profiles"].items():
+        rows = first["config"]["slots"] if name == "all" else int(name[len("rows"):])
+        reach = next(i for i, b in enumerate(prof["buckets"]) if b >= rows * (first["gamma"] + 1))
+        v = [prof["plain_sps"] / x for x in prof["steps_per_s"][:reach + 1]]
+        ratios[name] = f"{min(v):.2f}x" if min(v) == max(v) else span(v) + "x"
+    quoted = ", ".join(f"{ratios[f'rows{r}']} on {r}" + (" row" if r == 1 else "")
+                       for r in first["row_buckets"])
+    assert f"{quoted}, against {ratios['all']} in the all-slot program" in flat
+    rows_s = [sum(v for k, v in r["profile_s"].items() if k != "all") for r in runs]
+    alls = [r["profile_s"]["all"] for r in runs]
+    assert (f"the row profiles took {rows_s[0]:.1f} / {rows_s[1]:.1f} s (1, 2, 4, 8 and 16 "
+            f"rows) on top of {alls[0]:.1f} / {alls[1]:.1f} s") in flat
+    assert (f"whole warm-up took {runs[0]['production_warmup_s']:.0f} / "
+            f"{runs[1]['production_warmup_s']:.0f} s") in flat
+    per_row = [c["decoders"]["row_profiles"] for c in cells]
+    assert (f"every load ({span([c['row_profiles_over_plain'] for c in cells])}x)") in flat
+    assert (f"drafted on {span([100 * d['drafting_share'] for d in per_row], 0)} % of its steps at "
+            f"a τ of {span([d['tau'] for d in per_row], 1)}") in flat
+
+
 def test_quoted_rollout_row_bucket_numbers_match_the_committed_results():
     """docs/RL.md's "Row buckets in rollouts", from the committed runs of
     benchmarks/rl_rollout_speed.py with the row-bucket engines."""

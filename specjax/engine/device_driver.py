@@ -104,15 +104,24 @@ class DeviceLoopMixin:
         self.loop_stats.append(stats)
         return stats
 
-    def _device_sps(self):
+    def _device_sps(self, rows: Optional[int] = None):
         """SPS tables (verify only, draft + verify) and the plain step's steps/s (0: not
-        measured) on the device, rebuilt when they change."""
-        if self._sps_dev is None or self._sps_dev[0] is not self.sps_table:
-            plain = 0.0 if self.sps is None else self.sps.plain_sps
-            self._sps_dev = (self.sps_table, self._put(np.asarray(self.sps_table, np.float32)),
-                             self._put(np.asarray(self.sps_table_draft, np.float32)),
-                             self._put(np.float32(plain)))
-        return self._sps_dev[1:]
+        measured) on the device for a call on ``rows`` rows (``None``: all slots), from that row
+        bucket's profile when warm-up measured one (``sps_rows``), else from ``sps_table``;
+        rebuilt when they change."""
+        prof = self.sps_rows.get(rows) if rows is not None else None
+        source = prof if prof is not None else self.sps_table
+        held = self._sps_dev.get(rows)
+        if held is None or held[0] is not source:
+            if prof is not None:
+                tables = (prof.table(), prof.table_with_draft(), prof.plain_sps)
+            else:
+                tables = (self.sps_table, self.sps_table_draft,
+                          0.0 if self.sps is None else self.sps.plain_sps)
+            held = self._sps_dev[rows] = (source, self._put(np.asarray(tables[0], np.float32)),
+                                          self._put(np.asarray(tables[1], np.float32)),
+                                          self._put(np.float32(tables[2])))
+        return held[1:]
 
     def _run_loop(self, *, stop_on_finish: bool, rows=None) -> LoopState:
         """One call of the device loop over the current slots; keeps its state. Returns it.
@@ -122,14 +131,14 @@ class DeviceLoopMixin:
         all ``S`` of them: the all-slot program).
         """
         ls, (seeds, stops, stop) = self._loop_inputs(stop_on_finish)
-        sps, sps_d, sps_plain = self._device_sps()
-        args = (self.graphdef, self.target_state, self.drafter, self.params, self.frozen, ls)
-        rest = (self._put(self._sampling()), seeds, stops, sps, sps_d, sps_plain, self._key, stop)
         if rows is None and self.config.loop_row_buckets:
             rows = pick_rows([live is not None for live in self.slots],
                              self.config.loop_row_buckets)
         if rows is not None and len(rows) == self.config.num_slots:
             rows = None
+        sps, sps_d, sps_plain = self._device_sps(None if rows is None else len(rows))
+        args = (self.graphdef, self.target_state, self.drafter, self.params, self.frozen, ls)
+        rest = (self._put(self._sampling()), seeds, stops, sps, sps_d, sps_plain, self._key, stop)
         shrink = self._put(np.int32(shrink_point(None if rows is None else len(rows),
                                                  self.config.loop_row_buckets)))
         if rows is None:

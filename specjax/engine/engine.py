@@ -75,6 +75,8 @@ class Engine(HostLoopMixin, DeviceLoopMixin, WarmupMixin):
     Statistics it keeps: ``stats`` (host loop, one :class:`StepStats` per step), ``loop_stats``
     (device loop, one :class:`LoopStats` per call), and for admissions ``prefill_calls``,
     ``prefill_positions`` (chunk sizes summed) and ``prefill_s`` (wall seconds), warm-up excluded.
+    The SPS profile the policies read after :meth:`warmup` (or :meth:`set_sps`): ``sps``, and
+    with row buckets ``sps_rows`` (row count -> profile of that count's program).
     """
 
     def __init__(self, target, drafter, params, frozen, config: EngineConfig = EngineConfig()):
@@ -109,6 +111,8 @@ class Engine(HostLoopMixin, DeviceLoopMixin, WarmupMixin):
         self._conf_prior_seen = False
         self._steps_without_draft = 0
         self.sps: Optional[SPSProfile] = None
+        # row buckets: the profile of each row count's program ({} or missing: ``sps``)
+        self.sps_rows: dict[int, SPSProfile] = {}
         self.sps_table = np.ones(self.buckets[-1] + 1)
         self.sps_table_draft = self.sps_table  # SPS of a step that drafts (no profile: equal)
         self.stats: list[StepStats] = []  # host loop: one per step
@@ -117,7 +121,7 @@ class Engine(HostLoopMixin, DeviceLoopMixin, WarmupMixin):
         self.prefill_positions = 0  # their chunk sizes summed (positions fed per slot row)
         self.prefill_s = 0.0  # their wall time (each call waits for its first tokens)
         self._new_rows = np.zeros(s, bool)  # device loop: slots admitted since the last call
-        self._sps_dev = None
+        self._sps_dev: dict = {}  # device_driver._device_sps: row count -> (source, tables)
 
     # ---------------------------------------------------------------------------------- requests
     def submit(self, request: Request) -> str:

@@ -15,11 +15,16 @@ slots, budget ``b - R``); and a plain step with every slot active. Each runs ``n
 from ``EngineConfig.profile_context`` cached positions (``n`` chosen so the caches never overflow),
 at temperature 1, median over repetitions. A check that the forced choice really happened (the
 loop's drafting count) guards against a forcing that silently stops working.
+
+With row buckets (``EngineConfig.row_buckets``) a call on ``R`` rows runs another program, whose
+steps cost less than the all-slot program's; ``rows=R`` times that program (its reachable token
+buckets only) so that the policy prices the steps it actually runs (``Engine.sps_rows``).
 """
 from __future__ import annotations
 
 import statistics
 import time
+from typing import Optional
 
 import jax
 import numpy as np
@@ -27,18 +32,23 @@ import numpy as np
 from specjax.buckets import SPSProfile
 from specjax.engine.device_driver import STOP_WIDTH
 from specjax.engine.device_loop import init_loop_state, run_loop
-from specjax.engine.step_costs import default_context
+from specjax.engine.loop_rows import run_loop_rows, spec_for_rows
+from specjax.engine.step_costs import default_context, fill_unreachable
 
 _HUGE, _TINY = 1e30, 1e-30
 
 
-def production_loop_profile(eng, *, reps: int = 3, key: str = "") -> SPSProfile:
+def production_loop_profile(eng, *, reps: int = 3, key: str = "",
+                            rows: Optional[int] = None) -> SPSProfile:
     """The production engine's SPS profile, timed on its device loop (module docstring).
 
     Returns an :class:`~specjax.buckets.SPSProfile` whose ``steps_per_s[b]`` is the rate of a
     whole drafting step (draft, policy, verification in bucket ``b``, commits, emit), so
     ``draft_s = 0``, and ``plain_s`` the time of a plain step. Bucket 1 cannot hold a drafting
-    step (a draft needs its anchor too) and copies the plain rate. Leaves the engine idle.
+    step (a draft needs its anchor too) and copies the plain rate. ``rows``: time the program of
+    that row bucket (``run_loop_rows`` on slots ``0..rows-1``) instead of the all-slot one;
+    buckets it can never fill copy the rate of the largest it can
+    (:func:`~specjax.engine.step_costs.fill_unreachable`). Leaves the engine idle.
     """
     cfg, spec = eng.config, eng._loop_spec
     if cfg.loop != "device" or spec.policy != "production":
@@ -47,6 +57,11 @@ def production_loop_profile(eng, *, reps: int = 3, key: str = "") -> SPSProfile:
     if eng.num_active or eng.queue:
         raise RuntimeError("production_loop_profile must run on an idle engine")
     s, g = cfg.num_slots, cfg.gamma
+    if rows is not None and rows not in cfg.loop_row_buckets:
+        raise ValueError(f"rows={rows} is not one of the engine's row buckets "
+                         f"{cfg.loop_row_buckets}")
+    r = s if rows is None else rows
+    run_spec = spec if rows is None else spec_for_rows(spec, rows)
     buckets = list(eng.buckets)
     ctx = default_context(cfg)
     n = int(np.clip((cfg.max_len - 1 - ctx) // (g + 1), 1, spec.max_steps))
@@ -69,10 +84,13 @@ def production_loop_profile(eng, *, reps: int = 3, key: str = "") -> SPSProfile:
             t=np.int32(spec.max_steps - n),  # run n steps
             explore_gap=np.int32(1 << 30))  # never explore
         t0 = time.perf_counter()
-        out = run_loop(eng.graphdef, eng.target_state, eng.drafter, eng.params, eng.frozen,
-                       eng._put(ls), sampling, seeds, stops, ones,
-                       eng._put(sps_draft.astype(np.float32)), eng._put(np.float32(plain)),
-                       eng._key, no_stop, spec=spec)
+        args = (eng.graphdef, eng.target_state, eng.drafter, eng.params, eng.frozen, eng._put(ls))
+        rest = (sampling, seeds, stops, ones, eng._put(sps_draft.astype(np.float32)),
+                eng._put(np.float32(plain)), eng._key, no_stop)
+        if rows is None:
+            out = run_loop(*args, *rest, spec=spec)
+        else:  # the arguments the engine's row calls pass (device_driver._run_loop): no compile
+            out = run_loop_rows(*args, row_ids, *rest, eng._put(np.int32(-1)), spec=run_spec)
         steps, draws = (int(x) for x in jax.device_get((out.t, out.draws)))
         dt = time.perf_counter() - t0
         eng.state = out.dev
@@ -91,20 +109,21 @@ def production_loop_profile(eng, *, reps: int = 3, key: str = "") -> SPSProfile:
             times.append(dt)
         return statistics.median(times)
 
+    row_ids = None if rows is None else eng._put(np.arange(rows, dtype=np.int32))
     zeros = np.zeros(buckets[-1] + 1)
-    plain_s = timed(s, zeros, _HUGE, 0)
+    plain_s = timed(r, zeros, _HUGE, 0)
     rates = []
-    for b in buckets:
+    for b in run_spec.buckets:
         if b < 2:
             rates.append(1.0 / plain_s)
             continue
-        rows = min(s, b - 1)
         table = zeros.copy()
         table[b] = 1.0  # only a budget that fills bucket b scores above "no draft"
-        rates.append(1.0 / timed(rows, table, _TINY, n))
+        rates.append(1.0 / timed(min(r, b - 1), table, _TINY, n))
     # committed to the engine's device like every other state array (an uncommitted one would
     # make the next prefill compile again)
     eng.state = eng.state._replace(
         cache=eng.state.cache.rollback(eng._put(np.zeros(s, np.int32))))
     eng._carry = None
-    return SPSProfile(tuple(buckets), tuple(rates), key, draft_s=0.0, plain_s=plain_s)
+    return SPSProfile(tuple(buckets), fill_unreachable(rates, len(buckets)), key, draft_s=0.0,
+                      plain_s=plain_s)

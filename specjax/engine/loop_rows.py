@@ -20,8 +20,10 @@ request's seed and step count), so the loop on a subset of rows emits what it wo
 ``S``, except that drafting noise is drawn per row of the batch: drafts are still drawn from the
 q returned with them, which is all the verifier needs (``tests/test_engine_rows.py`` checks
 equal greedy outputs, equal sampled outputs with a deterministic drafter, and the output
-distribution with a sampling one). The scheduling policies read the SPS profile measured on all
-``S`` rows.
+distribution with a sampling one). The confidence policies read the SPS profile of the program
+they run in: warm-up times one per row bucket (``Engine.sps_rows``), since a step on ``R`` rows
+costs less than one on all ``S``, and the policies weigh a drafting step against a plain one and
+one token bucket against another by those costs.
 """
 from __future__ import annotations
 
@@ -105,8 +107,9 @@ def put_rows(full, sub, rows: jax.Array, axes):
     return jax.tree.map(put, full, sub, axes)
 
 
-def _row_axis0(tree, rows):
-    # per-slot arguments (sampling fields) are [S] arrays; scalars apply to every row
+def slot_args(tree, rows):
+    """The ``rows`` of per-slot loop arguments (sampling fields: ``[S]`` arrays); scalars
+    apply to every row and pass whole."""
     return jax.tree.map(lambda x: x[rows] if jnp.ndim(x) else x, tree)
 
 
@@ -124,7 +127,7 @@ def run_loop_rows(target_graphdef: nnx.GraphDef, target_state, drafter, params, 
     sub = take_rows(ls, rows, axes)
     # run_loop's undecorated function: traced into this program, not a nested jit call
     sub = run_loop.__wrapped__(target_graphdef, target_state, drafter, params, frozen, sub,
-                               _row_axis0(sampling, rows), seeds[rows], stop_tokens[rows], sps,
+                               slot_args(sampling, rows), seeds[rows], stop_tokens[rows], sps,
                                sps_draft, sps_plain, key, stop_on_finish, shrink_at, spec=spec)
     return put_rows(ls, sub, rows, axes)
 
@@ -143,5 +146,5 @@ def prefill_rows(target_graphdef: nnx.GraphDef, target_state, drafter, params, f
     sub, first = prefill_step.__wrapped__(
         target_graphdef, target_state, drafter, params, frozen, take_rows(state, rows, axes),
         tokens, num_valid, reset, next_prompt_token, is_last, first_keys[rows],
-        _row_axis0(sampling, rows), max_len=max_len, gamma=gamma)
+        slot_args(sampling, rows), max_len=max_len, gamma=gamma)
     return put_rows(state, sub, rows, axes), first

@@ -94,7 +94,8 @@ class EngineConfig:
     small call is bound by reading the weights).
     method: "rejection" or "target_only". scheduler: the verification-length policy.
     overlap: pre-dispatch the next draft while the host processes the current step.
-    sps_cache: JSON path for the SPS profile (reused when device and model match).
+    sps_cache: JSON path for the SPS profile (reused when device and model match); with row
+    buckets each row count's profile is kept beside it (``sps.json`` -> ``sps.rows4.json``).
     profile_reps: timed repetitions per bucket when profiling. seed: drafting randomness.
     profile_context: cached positions per slot at which the device loop's profile times its steps
     (attention follows the context); default ``max_len // 4``.
@@ -114,7 +115,8 @@ class EngineConfig:
     powers of two below it; ``()``: none). A call with ``a`` active slots runs the smallest row
     count ``>= a`` instead of every slot (:mod:`specjax.engine.loop_rows`): on a lightly loaded
     engine, idle slots stop costing drafting, attention and cache reads, at the price of one
-    more compiled loop per row count at warm-up.
+    more compiled loop per row count at warm-up; the dspark, retrospective and production
+    policies also time an SPS profile per row count there (``Engine.sps_rows``).
     """
 
     num_slots: int = 8

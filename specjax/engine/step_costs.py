@@ -11,19 +11,21 @@ an output nobody reads, lets XLA fold or delete the work, and the step looks nea
 (``tests/test_production_plain.py`` checks the compiled programs' flops).
 
 Used by :meth:`Engine.warmup <specjax.engine.engine.Engine.warmup>` for the device loop's
-profile and by ``benchmarks/spec_vs_plain.py`` for its analytic prediction.
+profile (with row buckets, one per row count: the steps on ``R`` gathered slots) and by
+``benchmarks/spec_vs_plain.py`` for its analytic prediction.
 """
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from specjax.buckets import SPSProfile
 from specjax.engine.device_loop import LoopSpec, plain_step, bucketed_verify, init_loop_state
+from specjax.engine.loop_rows import device_state_axes, slot_args, spec_for_rows, take_rows
 from specjax.engine.steps import DeviceState
 
 
@@ -87,7 +89,18 @@ def bucket_draft_lengths(num_slots: int, gamma: int, bucket: int) -> jax.Array:
     return jnp.asarray([min(t, gamma + 1) - 1 for t in per], jnp.int32)
 
 
-def profile_steps(eng, context: int) -> tuple[dict, tuple]:
+def fill_unreachable(rates: Sequence[float], num_buckets: int) -> tuple:
+    """``rates`` of the first buckets, padded to ``num_buckets`` with the last one: a row
+    bucket's program never fills the buckets past the first that holds all its tokens
+    (:func:`~specjax.engine.loop_rows.spec_for_rows`), and this keeps its profile the engine's
+    shape (the policies never read those entries: no budget reaches them)."""
+    rates = tuple(float(x) for x in rates)
+    if not 0 < len(rates) <= num_buckets:
+        raise ValueError(f"{len(rates)} rates for {num_buckets} buckets")
+    return rates + (rates[-1],) * (num_buckets - len(rates))
+
+
+def profile_steps(eng, context: int, rows: Optional[int] = None) -> tuple[dict, tuple]:
     """The device loop's steps as ``fn(i, carry) -> carry``, each with ``carry = (state, aux)``
     (:class:`ProfileAux`).
 
@@ -96,19 +109,28 @@ def profile_steps(eng, context: int) -> tuple[dict, tuple]:
     ``"draft"`` (one drafting call of every slot) and ``"plain"`` (production's non-drafting step:
     target forward, sampling, drafter commit). Every slot's cache holds ``context`` positions; the
     target cache is rolled back to it after each step, and a verification keeps the drafter's
-    positions (:func:`_keep_positions`).
+    positions (:func:`_keep_positions`). ``rows``: the steps of a call on that many rows (slots
+    ``0..rows-1`` gathered, as :mod:`specjax.engine.loop_rows` runs them), and only the buckets
+    such a call can fill.
     """
     s, g = eng.config.num_slots, eng.config.gamma
     d, p, f = eng.drafter, eng.params, eng.frozen
     buckets = tuple(eng.buckets)
+    state: DeviceState = eng.state._replace(
+        cache=eng.state.cache.rollback(jnp.full((s,), context, jnp.int32)))
+    sampling, keys = eng._sampling(), eng._slot_keys(0)
+    if rows is not None:  # the call's rows, gathered as run_loop_rows gathers them
+        ids = jnp.arange(rows)
+        state = take_rows(state, ids, device_state_axes(d, state, g))
+        sampling, keys = slot_args(sampling, ids), keys[ids]
+        buckets = spec_for_rows(eng._loop_spec, rows).buckets
+        s = rows
     lengths = jnp.full((s,), context, jnp.int32)
-    state: DeviceState = eng.state._replace(cache=eng.state.cache.rollback(lengths))
-    sampling = eng._sampling()
     dkey = eng._next_key()
     drafts, _ = jax.jit(lambda st, sm: d.propose(p, f, st.drafter_state, dkey, gamma=g,
                                                  sampling=sm))(state, sampling)
     aux = ProfileAux(drafts.tokens, drafts.probs, jnp.full((s,), -1, jnp.int32),
-                     eng._slot_keys(0), sampling, lengths, (eng.target_state, p, f))
+                     keys, sampling, lengths, (eng.target_state, p, f))
 
     def verify(i, carry):
         st, ax = carry
@@ -156,16 +178,22 @@ def default_context(config) -> int:
 
 
 def device_loop_profile(eng, *, reps: int = 3, n: int = 16, key: str = "",
-                        context: int | None = None) -> SPSProfile:
+                        context: int | None = None, rows: Optional[int] = None) -> SPSProfile:
     """The engine's SPS profile measured in device loops (see :func:`profile_steps`).
 
     Per verification bucket: steps/s of a verification whose drafts fill the bucket. ``draft_s``:
     one drafting call of every slot. ``plain_s``: the plain decode step production runs when it
     does not draft. All at ``context`` cached positions per slot (default
-    :func:`default_context`).
+    :func:`default_context`). ``rows``: the same for a call on that row bucket; buckets it can
+    never fill copy the last it can (:func:`fill_unreachable`).
     """
+    if rows is not None and rows not in eng.config.loop_row_buckets:
+        raise ValueError(f"rows={rows} is not one of the engine's row buckets "
+                         f"{eng.config.loop_row_buckets}")
     ctx = default_context(eng.config) if context is None else context
-    fns, carries = profile_steps(eng, ctx)
+    fns, carries = profile_steps(eng, ctx, rows)
     t = {name: loop_time(fn, carries[name], reps, n) for name, fn in fns.items()}
-    return SPSProfile(tuple(eng.buckets), tuple(1.0 / t[f"verify/{b}"] for b in eng.buckets),
+    timed = [b for b in eng.buckets if f"verify/{b}" in t]
+    return SPSProfile(tuple(eng.buckets),
+                      fill_unreachable([1.0 / t[f"verify/{b}"] for b in timed], len(eng.buckets)),
                       key, draft_s=t["draft"], plain_s=t["plain"])
