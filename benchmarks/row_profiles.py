@@ -9,6 +9,10 @@ row buckets serves C held-out math prompts (all submitted at once) with
 
 * ``row_profiles``: each call reads the profile of its row bucket (what warm-up sets);
 * ``slot_profile``: every call reads the all-slot profile (what the engine did before);
+* ``row_profiles_cal``: per-row profiles, with the confidences calibrated online on the
+  verifier's decisions (``EngineConfig.online_calibration``; the drafter's confidence head is
+  used as trained, and a head that over-states acceptance makes production draft where it
+  should not);
 
 against, on the same weights in the same run,
 
@@ -17,13 +21,14 @@ against, on the same weights in the same run,
   speculation off (row buckets on) and ``generate(loop="device")`` on the C prompts.
 
 Timed runs alternate (the order rotates every round), median of ``--reps`` after a warm-up call.
-``row_profiles`` and ``slot_profile`` are two engines of the same config (each keeps its own
-confidence history); the second is given the first's all-slot profile (``Engine.set_sps``), so
-both read tables from the same measurement. At C = S every call
+The three production variants are engines of the same config (each keeps its own confidence
+history); the second and third are given the first's profiles (``Engine.set_sps``), so all read
+tables from the same measurement. At C = S every call
 runs the all-slot program, so the two profile variants run the same thing (a null control). At
 temperature 0 every variant must emit the same tokens: the JSON says whether they did. It also
 holds both profiles' tables (plain and drafting steps per second), the share of steps that
-drafted, τ, and the time warm-up spent on the profiles.
+drafted, τ, the calibration ratios the calibrated engine ended each cell with, and the time
+warm-up spent on the profiles.
 
 The drafter is a DSpark drafter (production reads its confidence head) trained on the
 quickstart's target (``--config.task.target_workdir <quickstart dir>/target-<key>``).
@@ -50,7 +55,7 @@ from benchmarks.timing import alternating_runs, decoder_figures
 from specjax.machine import cpu_model
 from specjax.paths import portable_values
 
-VARIANTS = ("row_profiles", "slot_profile", "fixed", "plain")
+VARIANTS = ("row_profiles", "slot_profile", "row_profiles_cal", "fixed", "plain")
 
 
 def _profile_figures(prof, gamma: int, rows: int) -> dict:
@@ -79,11 +84,11 @@ def run(args) -> dict:
     model = nnx.merge(*target)
     max_len = b1_max_len(args.prompt_len, args.new_tokens, gamma)
 
-    def engine(policy: str, profile: bool):
+    def engine(policy: str, profile: bool, calibrate: bool = False):
         cfg = EngineConfig(num_slots=args.slots, max_len=max_len, gamma=gamma, filters=False,
                            prefill_buckets=(args.prompt_len,), loop="device",
                            loop_steps=args.loop_steps, row_buckets="auto",
-                           profile_reps=args.profile_reps,
+                           profile_reps=args.profile_reps, online_calibration=calibrate,
                            scheduler=SchedulerConfig(policy, k=gamma if policy == "fixed" else 0))
         eng = Engine(target, drafter, params, frozen, cfg)
         t0 = time.perf_counter()
@@ -109,6 +114,8 @@ def run(args) -> dict:
     full, by_rows = prod.sps, dict(prod.sps_rows)
     slot_prof, _ = engine("production", False)
     slot_prof.set_sps(full)
+    cal, _ = engine("production", False, calibrate=True)
+    cal.set_sps(full, by_rows=by_rows)
     fixed, _ = engine("fixed", False)
     none, _ = engine("none", False)
     profiles = {"all": _profile_figures(full, gamma, args.slots),
@@ -136,11 +143,12 @@ def run(args) -> dict:
                                       max_len=max_len, loop="device", seed=0).tokens, None
 
             calls = {"row_profiles": served(prod), "slot_profile": served(slot_prof),
+                     "row_profiles_cal": served(cal),
                      "fixed": served(fixed), "engine_none": served(none),
                      "generate": plain_generate}
             outs, times = alternating_runs(calls, args.reps)
             dec = {n: decoder_figures(outs[n][0], times[n]) for n in calls}
-            for n in ("row_profiles", "slot_profile", "fixed"):
+            for n in ("row_profiles", "slot_profile", "row_profiles_cal", "fixed"):
                 req_steps, drafting, steps = outs[n][1]
                 dec[n]["tau"] = (dec[n]["tokens"] - len(ps)) / max(1, req_steps)
                 dec[n]["drafting_share"] = drafting / max(1, steps)
@@ -154,12 +162,22 @@ def run(args) -> dict:
                     "row_over_slot_profile": rate["row_profiles"] / rate["slot_profile"],
                     "row_profiles_over_plain": rate["row_profiles"] / rate["plain"],
                     "slot_profile_over_plain": rate["slot_profile"] / rate["plain"],
-                    "row_profiles_over_fixed": rate["row_profiles"] / rate["fixed"]}
+                    "row_profiles_over_fixed": rate["row_profiles"] / rate["fixed"],
+                    "cal_over_row_profiles": rate["row_profiles_cal"] / rate["row_profiles"],
+                    "cal_over_plain": rate["row_profiles_cal"] / rate["plain"],
+                    # against plain decoding in the same engine (what production falls back to)
+                    "row_profiles_over_engine_none":
+                        rate["row_profiles"] / dec["engine_none"]["tokens_per_s"],
+                    "cal_over_engine_none":
+                        rate["row_profiles_cal"] / dec["engine_none"]["tokens_per_s"],
+                    "calibration_rho": cal.calibration_state()[0].tolist()}
             cells.append(cell)
             print(f"  T={temp} C={c:>2}: row profiles {rate['row_profiles']:6.0f} (drafting "
                   f"{dec['row_profiles']['drafting_share']:.0%}), slot profile "
                   f"{rate['slot_profile']:6.0f} (drafting "
-                  f"{dec['slot_profile']['drafting_share']:.0%}), fixed {rate['fixed']:6.0f}, "
+                  f"{dec['slot_profile']['drafting_share']:.0%}), calibrated "
+                  f"{rate['row_profiles_cal']:6.0f} (drafting "
+                  f"{dec['row_profiles_cal']['drafting_share']:.0%}), fixed {rate['fixed']:6.0f}, "
                   f"plain {rate['plain']:6.0f} ({best}) tokens/s; row / slot profile "
                   f"{cell['row_over_slot_profile']:.2f}x, row profiles / plain "
                   f"{cell['row_profiles_over_plain']:.2f}x"
@@ -177,6 +195,7 @@ def plot(result: dict, path: str) -> None:
     """tokens/s against load, one panel per temperature, one line per variant."""
     labels = {"row_profiles": "production, profile per row bucket",
               "slot_profile": "production, all-slot profile",
+              "row_profiles_cal": "production, per row bucket, calibrated online",
               "fixed": f"fixed K = {result['gamma']}", "plain": "fastest plain decoder"}
     titles = {t: f"{result['config']['slots']}-slot engine, row buckets, T = {t}"
               for t in result["config"]["temperatures"]}

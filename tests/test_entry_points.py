@@ -295,7 +295,8 @@ def test_loop_profile_self_times_take_nested_events_off_their_parent():
      == [(0.0, 1), (0.0, 4), (1.0, 1), (1.0, 4)]
      and all(c["same_tokens"] for c in r["cells"] if c["temperature"] == 0)
      and all(c["decoders"][n]["tokens"] == 8 * c["load"] for c in r["cells"]
-             for n in ("row_profiles", "slot_profile", "fixed", "plain"))
+             for n in ("row_profiles", "slot_profile", "row_profiles_cal", "fixed", "plain"))
+     and all(len(c["calibration_rho"]) == 3 for c in r["cells"])
      and r["row_buckets"] == [1, 2] and set(r["profile_s"]) == {"all", "rows1", "rows2"}
      and set(r["profiles"]) == {"all", "rows1", "rows2"}
      and all(p["plain_sps"] > 0 for p in r["profiles"].values())),

@@ -1055,8 +1055,8 @@ def test_quoted_row_bucket_numbers_match_the_committed_results():
 
 
 def test_quoted_row_profile_numbers_match_the_committed_results():
-    """docs/SERVING.md's "A profile per row bucket" (table and bullets), from the committed runs
-    of benchmarks/row_profiles.py."""
+    """docs/SERVING.md's "A profile per row bucket" (both tables and their bullets), from the
+    committed runs of benchmarks/row_profiles.py."""
     doc = open(os.path.join(ROOT, "docs", "SERVING.md")).read()
     flat = " ".join(doc.split())
     runs = [json.load(open(os.path.join(ROOT, "benchmarks", "results", f"{n}.json")))
@@ -1069,42 +1069,46 @@ def test_quoted_row_profile_numbers_match_the_committed_results():
         assert "Intel" in r["machine"]["cpu"] and r["machine"]["cores"] == 2
         assert all(cell["same_tokens"] for cell in r["cells"] if cell["temperature"] == 0)
         assert all(cell["decoders"]["plain"]["decoder"] == "generate" for cell in r["cells"])
-    assert "At T = 0 all four decoders emitted the same tokens in every cell" in flat
+    assert "At T = 0 all six decoders emitted the same tokens in every cell" in flat
     assert "(`generate()` in every cell here)" in flat and "median of 5 alternating runs" in flat
 
-    def pair(a, b, f):
-        return f"{f(a)} / {f(b)}"
+    def pair(a, b, f, unit=""):
+        return f"{f(a)} / {f(b)}{unit}"
 
-    def dec(n, key, fmt):
-        return lambda c: fmt.format(c["decoders"][n][key])
+    def rate(n):
+        return lambda c: f"{c['decoders'][n]['tokens_per_s']:.0f}"
+
+    def share(n):
+        return lambda c: f"{100 * c['decoders'][n]['drafting_share']:.0f}"
+
+    def ratio(key):
+        return lambda c: f"{c[key]:.2f}"
     for a, b in zip(runs[0]["cells"], runs[1]["cells"]):
-        cols = [pair(a, b, dec("row_profiles", "tokens_per_s", "{:.0f}")),
-                pair(a, b, dec("slot_profile", "tokens_per_s", "{:.0f}")),
-                pair(a, b, lambda c: f"{c['row_over_slot_profile']:.2f}") + "x",
-                pair(a, b, lambda c: f"{100 * c['decoders']['row_profiles']['drafting_share']:.0f}")
-                + " %",
-                pair(a, b, lambda c: f"{100 * c['decoders']['slot_profile']['drafting_share']:.0f}")
-                + " %",
-                pair(a, b, lambda c: f"{c['row_profiles_over_plain']:.2f}") + "x"]
-        row = f"| {a['temperature']:g} | {a['load']} | " + " | ".join(cols) + " |"
-        assert row in doc, row
+        head = f"| {a['temperature']:g} | {a['load']} | "
+        cols = [pair(a, b, rate("row_profiles")), pair(a, b, rate("slot_profile")),
+                pair(a, b, ratio("row_over_slot_profile"), "x"),
+                pair(a, b, share("row_profiles"), " %"), pair(a, b, share("slot_profile"), " %"),
+                pair(a, b, ratio("row_profiles_over_plain"), "x")]
+        assert head + " | ".join(cols) + " |" in doc, head + " | ".join(cols)
+        cols = [pair(a, b, rate("row_profiles_cal")), pair(a, b, share("row_profiles_cal"), " %"),
+                pair(a, b, ratio("cal_over_row_profiles"), "x"),
+                pair(a, b, ratio("row_profiles_over_engine_none"), "x"),
+                pair(a, b, ratio("cal_over_engine_none"), "x"),
+                pair(a, b, ratio("cal_over_plain"), "x")]
+        assert head + " | ".join(cols) + " |" in doc, head + " | ".join(cols)
     cells = [c for r in runs for c in r["cells"]]
+    light = [c for c in cells if c["load"] < 32]
 
     def span(vals, d=2):
         return f"{min(vals):.{d}f}-{max(vals):.{d}f}"
-    light = [c["row_over_slot_profile"] for c in cells if c["load"] < 32]
-    null = [c["row_over_slot_profile"] for c in cells if c["load"] == 32]
-    assert f"Per-row / all-slot ran {span(light)}x at C = 1-8" in flat
-    assert f"ran {span(null)}x, so" in flat
+    assert (f"Per-row / all-slot ran {span([c['row_over_slot_profile'] for c in light])}x at "
+            f"C = 1-8, inside the null control's "
+            f"{span([c['row_over_slot_profile'] for c in cells if c['load'] == 32])}x") in flat
     mid = [c for c in cells if c["load"] in (4, 8)]
-    fewer = [c for c in mid if c["decoders"]["row_profiles"]["drafting_share"]
-             < c["decoders"]["slot_profile"]["drafting_share"]]
-
-    def share(cs, n):
-        return span([100 * c["decoders"][n]["drafting_share"] for c in cs], 0)
+    fewer = sum(c["decoders"]["row_profiles"]["drafting_share"]
+                < c["decoders"]["slot_profile"]["drafting_share"] for c in mid)
     words = ["no", "one", "two", "three", "four", "five", "six", "seven", "eight"]
-    assert (f"fewer steps in {words[len(fewer)]} of the eight cells "
-            f"({share(fewer, 'row_profiles')} % against {share(fewer, 'slot_profile')} %)") in flat
+    assert f"drafted on fewer steps in {words[fewer]} of the eight cells" in flat
     # plain / drafting steps per second over the buckets each row count can fill (first run)
     first = runs[0]
     ratios = {}
@@ -1123,9 +1127,20 @@ def test_quoted_row_profile_numbers_match_the_committed_results():
     assert (f"whole warm-up took {runs[0]['production_warmup_s']:.0f} / "
             f"{runs[1]['production_warmup_s']:.0f} s") in flat
     per_row = [c["decoders"]["row_profiles"] for c in cells]
-    assert (f"every load ({span([c['row_profiles_over_plain'] for c in cells])}x)") in flat
-    assert (f"drafted on {span([100 * d['drafting_share'] for d in per_row], 0)} % of its steps at "
-            f"a τ of {span([d['tau'] for d in per_row], 1)}") in flat
+    assert (f"at every load ({span([c['row_profiles_over_plain'] for c in cells])}x of the "
+            f"fastest plain decoder): it drafted on "
+            f"{span([100 * d['drafting_share'] for d in per_row], 0)} % of its steps at a τ of "
+            f"{span([d['tau'] for d in per_row], 1)}") in flat
+    rho = [x for c in cells for x in c["calibration_rho"]]
+    cal_share = [100 * c["decoders"]["row_profiles_cal"]["drafting_share"] for c in cells]
+    assert (f"ratios ρ_k of {span(rho)} (accepted over predicted, per position: the head as "
+            f"trained over-states acceptance), stopped drafting ({span(cal_share, 0)} % of "
+            f"steps) and ran at {span([c['cal_over_engine_none'] for c in cells])}x") in flat
+    assert (f"Calibrated over uncalibrated: "
+            f"{span([c['cal_over_row_profiles'] for c in light])}x at C = 1-8") in flat
+    assert (f"{span([c['cal_over_engine_none'] for c in cells])}x calibrated, "
+            f"{span([c['row_profiles_over_engine_none'] for c in cells])}x uncalibrated") in flat
+    assert f"Drafting on {span(cal_share, 0)} % of its steps" in flat
 
 
 def test_quoted_rollout_row_bucket_numbers_match_the_committed_results():
