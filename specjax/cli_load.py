@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from typing import Any, Optional
 
 # Policies a user may choose. "retrospective" (the global search without early stop) is left out
@@ -237,11 +238,28 @@ def _ints(values) -> tuple:
     return tuple(int(v) for v in values if str(v).strip())
 
 
-def make_engine(loaded: Loaded, config):
-    """The engine, compiled (and SPS-profiled when the policy needs it)."""
+def make_engine(loaded: Loaded, config, *, progress: bool = True):
+    """The engine, compiled (and SPS-profiled when the policy needs it), with a warm-up progress
+    bar on stderr (one tick per compiled program or profile; off with ``progress=False``)."""
+    from tqdm.auto import tqdm
+
     from specjax.engine import Engine
     engine = Engine(loaded.target, loaded.drafter, loaded.params, loaded.frozen, config)
-    engine.warmup(profile=config.scheduler.policy in PROFILED_POLICIES)
+    bar = None
+
+    def tick(done: int, total: int, label: str) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc="warm-up", file=sys.stderr, dynamic_ncols=True)
+        bar.set_postfix_str(label, refresh=False)
+        bar.update(1)
+
+    try:
+        engine.warmup(profile=config.scheduler.policy in PROFILED_POLICIES,
+                      progress=tick if progress else None)
+    finally:
+        if bar is not None:
+            bar.close()
     return engine
 
 

@@ -108,7 +108,9 @@ def test_serve_trained_dspark_drafter_with_dspark_policy(tiny_runs, tmp_path, mo
                    "--max-len", 40, "--max-new-tokens", 8, "--profile-reps", 1,
                    "--prefill-buckets", 16, "--token-buckets", "4,8",
                    "--requests", reqs, "--out", out])
-    assert rc == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "warm-up" in err and "SPS profile on 1 row" in err  # the warm-up's progress bar
     recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert set(recs) == {"g", "s"}
     model, mcfg = _target(tiny_runs)

@@ -240,7 +240,14 @@ def test_warmup_profiles_each_row_bucket_and_then_compiles_nothing(target, polic
                        row_buckets="auto", profile_reps=1, sps_cache=cache,
                        scheduler=SchedulerConfig(policy))
     engine = Engine(target, d, p, f, cfg)
-    engine.warmup()
+    ticks = []
+    engine.warmup(progress=lambda *a: ticks.append(a))
+    # one tick per compiled program or profile, in order
+    assert [t[2] for t in ticks] == [
+        "prefill chunk 8", "prefill chunk 8 on 1 row", "prefill chunk 8 on 2 rows",
+        "device loop", "device loop on 1 row", "device loop on 2 rows",
+        "SPS profile", "SPS profile on 1 row", "SPS profile on 2 rows"]
+    assert [t[:2] for t in ticks] == [(i + 1, 9) for i in range(9)]
     assert sorted(engine.sps_rows) == [1, 2] and engine.sps.key.endswith("ctx10")
     for r, prof in engine.sps_rows.items():
         assert prof.key == f"{engine.sps.key}/rows{r}" and prof.plain_s > 0

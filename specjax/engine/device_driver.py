@@ -149,10 +149,3 @@ class DeviceLoopMixin:
         self.state = ls.dev
         self._carry = ls
         return ls
-
-    def _warmup_device_loop(self) -> None:
-        """Compiles the device loop, and its program for each row bucket (all slots idle: each
-        returns at once)."""
-        self._run_loop(stop_on_finish=False, rows=range(self.config.num_slots))
-        for r in self.config.loop_row_buckets:
-            self._run_loop(stop_on_finish=False, rows=list(range(r)))

@@ -12,9 +12,9 @@ model, drafter, slots, γ and ``max_len`` (row profiles beside it: :func:`row_ca
 """
 from __future__ import annotations
 
+import functools
 import os
-
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import numpy as np
@@ -38,34 +38,61 @@ def row_cache_path(path: Optional[str], rows: int) -> Optional[str]:
 class WarmupMixin:
     """Compilation and SPS profiling of :class:`~specjax.engine.engine.Engine`."""
 
-    def warmup(self, *, profile: bool = True) -> None:
+    def warmup(self, *, profile: bool = True,
+               progress: Optional[Callable[[int, int, str], None]] = None) -> None:
         """Compiles every prefill chunk bucket and the step programs (host loop: drafting and every
-        verification bucket; device loop: the loop), on idle slots (nothing changes); then profiles
-        SPS per bucket unless ``profile=False`` (the device loop profiles only for the policies
-        that read SPS)."""
+        verification bucket; device loop: the loop, and its program per row bucket), on idle
+        slots (nothing changes); then profiles SPS per bucket unless ``profile=False`` (the
+        device loop profiles only for the policies that read SPS, once per row bucket too).
+
+        ``progress(done, total, label)`` is called after each stage (a compiled program or a
+        profile), e.g. to show a progress bar: warm-up takes seconds to minutes."""
         if self.num_active or self.queue:
             raise RuntimeError("warmup() must run before requests are submitted")
+        stages = self._warmup_stages(profile)
+        for i, (label, run) in enumerate(stages):
+            run()
+            if progress is not None:
+                progress(i + 1, len(stages), label)
+
+    def _warmup_stages(self, profile: bool) -> list[tuple[str, Callable[[], None]]]:
+        """What :meth:`warmup` runs, in order: ``[(label, thunk)]``."""
         s, g = self.config.num_slots, self.config.gamma
+        rows = self.config.loop_row_buckets
         sampling = self._sampling()
         keys = self._slot_keys(0)
+        stages = []
+
+        def on(r):
+            return f" on {r} row{'s' if r > 1 else ''}"
+
+        def prefill(c, r=None):
+            n = s if r is None else r
+            z = np.zeros(n, np.int32)
+            chunk = (np.zeros((n, c), np.int32), z, np.zeros(n, bool), z, np.zeros(n, bool))
+            weights = (self.graphdef, self.target_state, self.drafter, self.params, self.frozen)
+            if r is None:
+                self.state, _ = prefill_step(*weights, self.state, *chunk, keys, sampling,
+                                             max_len=self.config.max_len, gamma=g)
+            else:  # admission into r rows (engine._admit)
+                self.state, _ = prefill_rows(*weights, self.state,
+                                             self._put(np.arange(r, dtype=np.int32)), *chunk,
+                                             keys, sampling, max_len=self.config.max_len,
+                                             gamma=g)
+
         for c in self.prefill_buckets:
-            z = np.zeros(s, np.int32)
-            self.state, _ = prefill_step(
-                self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
-                self.state, np.zeros((s, c), np.int32), z, np.zeros(s, bool), z,
-                np.zeros(s, bool), keys, sampling, max_len=self.config.max_len, gamma=g)
-            for r in self.config.loop_row_buckets:  # admission into r rows (engine._admit)
-                z = np.zeros(r, np.int32)
-                self.state, _ = prefill_rows(
-                    self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
-                    self.state, self._put(np.arange(r, dtype=np.int32)),
-                    np.zeros((r, c), np.int32), z, np.zeros(r, bool), z, np.zeros(r, bool), keys,
-                    sampling, max_len=self.config.max_len, gamma=g)
+            stages.append((f"prefill chunk {c}", functools.partial(prefill, c)))
+            stages += [(f"prefill chunk {c}{on(r)}", functools.partial(prefill, c, r))
+                       for r in rows]
         policy = self.config.scheduler.policy
         key = (f"{jax.devices()[0].device_kind}/{self.model_config}/"
                f"{type(self.drafter).__name__}/S{s}/g{g}/L{self.config.max_len}")
         if self.config.loop == "device":
-            self._warmup_device_loop()
+            stages.append(("device loop", lambda: self._run_loop(stop_on_finish=False,
+                                                                 rows=range(s))))
+            stages += [(f"device loop{on(r)}",
+                        functools.partial(self._run_loop, stop_on_finish=False,
+                                          rows=list(range(r)))) for r in rows]
             ctx = default_context(self.config)
             reps = self.config.profile_reps
             if profile and policy == "production":
@@ -75,34 +102,49 @@ class WarmupMixin:
                 key += f"/device-loop/ctx{ctx}"
                 measure = device_loop_profile
             else:
-                return
+                return stages
             path = self.config.sps_cache
-            full = self._cached_profile(key, lambda k: measure(self, reps=reps, key=k), path)
-            by_rows = {r: self._cached_profile(
-                f"{key}/rows{r}", lambda k, r=r: measure(self, reps=reps, key=k, rows=r),
-                row_cache_path(path, r)) for r in self.config.loop_row_buckets}
-            self.set_sps(full, by_rows=by_rows)
-            return
-        draft, dstate = self._draft()
-        if self.config.loop == "host" and self.config.overlap:  # admissions under overlap merge pre-dispatched drafter rows
-            merge_rows(self.drafter, np.zeros(s, bool), self.state.drafter_state, dstate,
-                       max_len=self.config.max_len, gamma=g)
+            found: dict = {}
+
+            def profile_rows(r):
+                k, cache = (key, path) if r is None else (f"{key}/rows{r}", row_cache_path(path, r))
+                found[r] = self._cached_profile(
+                    k, lambda k: measure(self, reps=reps, key=k, rows=r), cache)
+                if len(found) == 1 + len(rows):
+                    full = found.pop(None)
+                    self.set_sps(full, by_rows=found)
+
+            stages.append(("SPS profile", functools.partial(profile_rows, None)))
+            stages += [(f"SPS profile{on(r)}", functools.partial(profile_rows, r))
+                       for r in rows]
+            return stages
+        held = {}
+
+        def draft():
+            held["draft"], dstate = self._draft()
+            if self.config.overlap:  # admissions under overlap merge pre-dispatched drafter rows
+                merge_rows(self.drafter, np.zeros(s, bool), self.state.drafter_state, dstate,
+                           max_len=self.config.max_len, gamma=g)
+
         idle = np.full(s, -1, np.int32)
 
         def run_bucket(b):
+            d = held["draft"]
             self.state, res = verify_step(
                 self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
-                self.state, draft.tokens, draft.probs, idle, keys, sampling, bucket=b, gamma=g,
+                self.state, d.tokens, d.probs, idle, keys, sampling, bucket=b, gamma=g,
                 method=self.config.method, verify_impl=self.verify_impl)
             jax.block_until_ready(res.tokens)
 
-        for b in self.buckets:
-            run_bucket(b)
+        stages.append(("drafting step", draft))
+        stages += [(f"verification bucket {b}", functools.partial(run_bucket, b))
+                   for b in self.buckets]
         if profile:
-            self.set_sps(profile_sps(
+            stages.append(("SPS profile", lambda: self.set_sps(profile_sps(
                 run_bucket, self.buckets, key=key, reps=self.config.profile_reps, warmup=0,
                 cache_path=self.config.sps_cache,
-                run_draft=lambda: jax.block_until_ready(self._draft())))
+                run_draft=lambda: jax.block_until_ready(self._draft())))))
+        return stages
 
     def _cached_profile(self, key: str, measure, path: Optional[str]) -> SPSProfile:
         """The device loop's SPS profile: ``measure(key)`` (production: its own loop timed,
