@@ -42,7 +42,8 @@ class DeviceLoopMixin:
 
     def _loop_inputs(self, stop_on_finish: bool):
         """Host arrays for one call: the loop state around ``self.state`` and the per-slot
-        sampling / seeds / stop tokens, all committed to the engine's device."""
+        seeds / stop tokens / stop flag (:meth:`_run_loop` commits them to the engine's device,
+        with the rest of the call's inputs, in one transfer)."""
         s, g = self.config.num_slots, self.config.gamma
         spec = self._loop_spec
         carry = self._carry
@@ -76,7 +77,7 @@ class DeviceLoopMixin:
             since_draft=carry.since_draft,
             explore_gap=carry.explore_gap, draws=carry.draws,
             t=np.int32(0), finished=np.bool_(False))
-        return self._put(ls), self._put((seeds, stops, np.bool_(stop_on_finish)))
+        return ls, (seeds, stops, np.bool_(stop_on_finish))
 
     def _device_call(self) -> Optional[LoopStats]:
         """Admits, runs up to ``loop_steps`` steps on the device, emits. Returns the call's stats."""
@@ -130,22 +131,26 @@ class DeviceLoopMixin:
         row bucket; :mod:`specjax.engine.loop_rows`); ``rows`` forces a set of slots (warm-up;
         all ``S`` of them: the all-slot program).
         """
-        ls, (seeds, stops, stop) = self._loop_inputs(stop_on_finish)
+        ls, per_slot = self._loop_inputs(stop_on_finish)
         if rows is None and self.config.loop_row_buckets:
             rows = pick_rows([live is not None for live in self.slots],
                              self.config.loop_row_buckets)
         if rows is not None and len(rows) == self.config.num_slots:
             rows = None
-        sps, sps_d, sps_plain = self._device_sps(None if rows is None else len(rows))
+        n_rows = None if rows is None else len(rows)
+        shrink = np.int32(shrink_point(n_rows, self.config.loop_row_buckets))
+        row_ids = None if rows is None else np.asarray(rows, np.int32)
+        # one transfer for every host input of the call (each device_put costs host time)
+        ls, (seeds, stops, stop), sampling, shrink, row_ids = self._put(
+            (ls, per_slot, self._sampling(), shrink, row_ids))
+        sps, sps_d, sps_plain = self._device_sps(n_rows)
         args = (self.graphdef, self.target_state, self.drafter, self.params, self.frozen, ls)
-        rest = (self._put(self._sampling()), seeds, stops, sps, sps_d, sps_plain, self._key, stop)
-        shrink = self._put(np.int32(shrink_point(None if rows is None else len(rows),
-                                                 self.config.loop_row_buckets)))
+        rest = (sampling, seeds, stops, sps, sps_d, sps_plain, self._key, stop)
         if rows is None:
             ls = run_loop(*args, *rest, shrink, spec=self._loop_spec)
         else:
-            ls = run_loop_rows(*args, self._put(np.asarray(rows, np.int32)), *rest, shrink,
-                               spec=spec_for_rows(self._loop_spec, len(rows)))
+            ls = run_loop_rows(*args, row_ids, *rest, shrink,
+                               spec=spec_for_rows(self._loop_spec, n_rows))
         self.state = ls.dev
         self._carry = ls
         return ls
