@@ -270,3 +270,20 @@ def test_warmup_profiles_each_row_bucket_and_then_compiles_nothing(target, polic
     again = Engine(target, d, p, f, cfg)
     again.warmup()
     assert again.sps == engine.sps and again.sps_rows == engine.sps_rows  # loaded, not timed
+
+
+def test_production_profiles_run_the_engines_compiled_loops(target):
+    """The production profile times the engine's own loop programs (all slots and each row
+    bucket) with the argument types the engine passes: after warm-up it builds no executable
+    (a Python-int shrink point, say, would compile the whole loop again)."""
+    from specjax.engine.loop_profile import production_loop_profile
+    jax.clear_caches()  # programs compiled by earlier tests must not hide a compile
+    d, p, f = _drafter("dspark", target)
+    engine = Engine(target, d, p, f, EngineConfig(
+        num_slots=4, max_len=40, gamma=3, prefill_buckets=(8,), loop_steps=3, row_buckets="auto",
+        scheduler=SchedulerConfig("production")))
+    engine.warmup(profile=False)
+    with count_compiles() as compiles:
+        for rows in (None, 1, 2):
+            production_loop_profile(engine, reps=1, rows=rows)
+    assert compiles == []

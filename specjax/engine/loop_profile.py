@@ -85,12 +85,14 @@ def production_loop_profile(eng, *, reps: int = 3, key: str = "",
             explore_gap=np.int32(1 << 30))  # never explore
         t0 = time.perf_counter()
         args = (eng.graphdef, eng.target_state, eng.drafter, eng.params, eng.frozen, eng._put(ls))
+        # the argument types the engine's calls pass (device_driver._run_loop: a committed int32
+        # shrink point), so the profile runs the engine's compiled programs and compiles none
         rest = (sampling, seeds, stops, ones, eng._put(sps_draft.astype(np.float32)),
-                eng._put(np.float32(plain)), eng._key, no_stop)
+                eng._put(np.float32(plain)), eng._key, no_stop, eng._put(np.int32(-1)))
         if rows is None:
             out = run_loop(*args, *rest, spec=spec)
-        else:  # the arguments the engine's row calls pass (device_driver._run_loop): no compile
-            out = run_loop_rows(*args, row_ids, *rest, eng._put(np.int32(-1)), spec=run_spec)
+        else:
+            out = run_loop_rows(*args, row_ids, *rest, spec=run_spec)
         steps, draws = (int(x) for x in jax.device_get((out.t, out.draws)))
         dt = time.perf_counter() - t0
         eng.state = out.dev
