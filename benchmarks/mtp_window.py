@@ -164,10 +164,7 @@ def run(args) -> dict:
             dec = {}
             for n in names:
                 toks, steps = outs[n]
-                dec[n] = decoder_figures(toks, times[n])
-                count = dec[n]["tokens"]
-                if n in VARIANTS:
-                    dec[n].update(steps=steps, tau=(count - len(ps)) / max(1, steps))
+                dec[n] = decoder_figures(toks, times[n], steps if n in VARIANTS else None)
             base = max(("generate", "engine_none"), key=lambda n: dec[n]["tokens_per_s"])
             rate = {n: dec[n]["tokens_per_s"] for n in names}
             cell = {"domain": domain, "temperature": temp, "decoders": dec, "baseline": base,

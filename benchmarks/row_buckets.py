@@ -95,10 +95,7 @@ def run(args) -> dict:
             dec = {}
             for n in VARIANTS:
                 toks, steps = outs[n]
-                dec[n] = decoder_figures(toks, times[n])
-                count = dec[n]["tokens"]
-                if steps is not None and policy != "none":
-                    dec[n]["tau"] = (count - len(ps)) / max(1, steps)
+                dec[n] = decoder_figures(toks, times[n], None if policy == "none" else steps)
             rate = {n: dec[n]["tokens_per_s"] for n in VARIANTS}
             cell = {"policy": policy, "load": c, "decoders": dec,
                     "same_tokens": all([list(t) for t in outs[n][0]] == outs["all_slots"][0]

@@ -147,10 +147,11 @@ def run(args) -> dict:
                      "fixed": served(fixed), "engine_none": served(none),
                      "generate": plain_generate}
             outs, times = alternating_runs(calls, args.reps)
-            dec = {n: decoder_figures(outs[n][0], times[n]) for n in calls}
+            dec = {n: decoder_figures(outs[n][0], times[n],
+                                      None if outs[n][1] is None else outs[n][1][0])
+                   for n in calls}
             for n in ("row_profiles", "slot_profile", "row_profiles_cal", "fixed"):
-                req_steps, drafting, steps = outs[n][1]
-                dec[n]["tau"] = (dec[n]["tokens"] - len(ps)) / max(1, req_steps)
+                _, drafting, steps = outs[n][1]
                 dec[n]["drafting_share"] = drafting / max(1, steps)
             best = max(("engine_none", "generate"), key=lambda n: dec[n]["tokens_per_s"])
             dec["plain"] = {**dec[best], "decoder": best}

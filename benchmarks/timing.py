@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 
 def alternating_runs(calls: dict[str, Callable[[], object]], reps: int) -> tuple[dict, dict]:
@@ -24,9 +24,14 @@ def alternating_runs(calls: dict[str, Callable[[], object]], reps: int) -> tuple
     return outs, times
 
 
-def decoder_figures(tokens: list, runs_s: list) -> dict:
+def decoder_figures(tokens: list, runs_s: list, steps: Optional[int] = None) -> dict:
     """``wall_s`` (median), ``runs_s``, ``tokens`` (emitted, summed over the requests) and
-    ``tokens_per_s`` of one decoder in one cell."""
+    ``tokens_per_s`` of one decoder in one cell; with ``steps`` (the requests' verification
+    steps, summed) also ``steps`` and ``tau``: tokens per step, each request's first token (from
+    its prefill) left out."""
     count = sum(map(len, tokens))
     wall = statistics.median(runs_s)
-    return {"wall_s": wall, "runs_s": list(runs_s), "tokens": count, "tokens_per_s": count / wall}
+    fig = {"wall_s": wall, "runs_s": list(runs_s), "tokens": count, "tokens_per_s": count / wall}
+    if steps is not None:
+        fig.update(steps=steps, tau=(count - len(tokens)) / max(1, steps))
+    return fig

@@ -17,7 +17,7 @@ from specjax.buckets import SPSProfile
 from specjax.engine import Engine, EngineConfig, Request
 from specjax.engine import device_driver, engine as engine_mod
 from specjax.engine.device_loop import LoopSpec
-from specjax.engine.loop_rows import pick_rows, shrink_point, spec_for_rows
+from specjax.engine.loop_rows import pick_rows, row_bucket_spec, shrink_point, spec_for_rows
 from specjax.engine.requests import parse_row_buckets
 from specjax.engine.step_costs import fill_unreachable
 from specjax.engine.warmup import row_cache_path
@@ -56,6 +56,10 @@ def test_row_bucket_config_and_choice():
     assert spec_for_rows(spec, 1).buckets == (4,)
     assert spec_for_rows(spec, 3).buckets == (4, 8, 16)  # 12 tokens: bucket 16
     assert spec_for_rows(spec, 8).buckets == (4, 8, 16, 32)
+    # the profiles time only the engine's row buckets (no program exists for another count)
+    assert row_bucket_spec((1, 2, 4), spec, 2) == spec_for_rows(spec, 2)
+    with pytest.raises(ValueError, match=r"rows=3 is not one of the engine's row buckets"):
+        row_bucket_spec((1, 2, 4), spec, 3)
     # a row bucket's profile: rates of the buckets it can fill, the last one repeated
     assert fill_unreachable([3.0, 2.0], 4) == (3.0, 2.0, 2.0, 2.0)
     with pytest.raises(ValueError, match="3 rates for 2 buckets"):

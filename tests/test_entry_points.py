@@ -247,6 +247,9 @@ def test_alternating_runs_rotate_the_order_and_keep_the_untimed_outputs():
     assert {n: len(t) for n, t in times.items()} == {"a": 3, "b": 3, "c": 3}
     f = decoder_figures([[1, 2], [3]], [2.0, 1.0, 4.0])
     assert f == {"wall_s": 2.0, "runs_s": [2.0, 1.0, 4.0], "tokens": 3, "tokens_per_s": 1.5}
+    # τ leaves each request's first (prefill) token out: (3 - 2) tokens over 4 steps
+    assert decoder_figures([[1, 2], [3]], [1.0], steps=4) == {
+        "wall_s": 1.0, "runs_s": [1.0], "tokens": 3, "tokens_per_s": 3.0, "steps": 4, "tau": 0.25}
 
 
 def test_loop_profile_self_times_take_nested_events_off_their_parent():

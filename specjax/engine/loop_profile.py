@@ -32,7 +32,7 @@ import numpy as np
 from specjax.buckets import SPSProfile
 from specjax.engine.device_driver import STOP_WIDTH
 from specjax.engine.device_loop import init_loop_state, run_loop
-from specjax.engine.loop_rows import run_loop_rows, spec_for_rows
+from specjax.engine.loop_rows import row_bucket_spec, run_loop_rows
 from specjax.engine.step_costs import default_context, fill_unreachable
 
 _HUGE, _TINY = 1e30, 1e-30
@@ -57,11 +57,8 @@ def production_loop_profile(eng, *, reps: int = 3, key: str = "",
     if eng.num_active or eng.queue:
         raise RuntimeError("production_loop_profile must run on an idle engine")
     s, g = cfg.num_slots, cfg.gamma
-    if rows is not None and rows not in cfg.loop_row_buckets:
-        raise ValueError(f"rows={rows} is not one of the engine's row buckets "
-                         f"{cfg.loop_row_buckets}")
     r = s if rows is None else rows
-    run_spec = spec if rows is None else spec_for_rows(spec, rows)
+    run_spec = spec if rows is None else row_bucket_spec(cfg.loop_row_buckets, spec, rows)
     buckets = list(eng.buckets)
     ctx = default_context(cfg)
     n = int(np.clip((cfg.max_len - 1 - ctx) // (g + 1), 1, spec.max_steps))

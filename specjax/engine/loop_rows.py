@@ -77,6 +77,14 @@ def spec_for_rows(spec: LoopSpec, rows: int) -> LoopSpec:
     return dataclasses.replace(spec, buckets=tuple(spec.buckets[:first + 1]))
 
 
+def row_bucket_spec(row_buckets: Sequence[int], spec: LoopSpec, rows: int) -> LoopSpec:
+    """:func:`spec_for_rows` for one of the engine's row buckets (``EngineConfig.
+    loop_row_buckets``); ``ValueError`` for any other row count (no program is compiled for it)."""
+    if rows not in row_buckets:
+        raise ValueError(f"rows={rows} is not one of the engine's row buckets {tuple(row_buckets)}")
+    return spec_for_rows(spec, rows)
+
+
 def device_state_axes(drafter, dev: DeviceState, gamma: int) -> DeviceState:
     """The slot axis of every leaf of ``dev`` (``None``: shared by all slots)."""
     cache = dev.cache

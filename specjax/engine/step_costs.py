@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from specjax.buckets import SPSProfile
 from specjax.engine.device_loop import LoopSpec, plain_step, bucketed_verify, init_loop_state
-from specjax.engine.loop_rows import device_state_axes, slot_args, spec_for_rows, take_rows
+from specjax.engine.loop_rows import device_state_axes, row_bucket_spec, slot_args, take_rows
 from specjax.engine.steps import DeviceState
 
 
@@ -123,7 +123,7 @@ def profile_steps(eng, context: int, rows: Optional[int] = None) -> tuple[dict, 
         ids = jnp.arange(rows)
         state = take_rows(state, ids, device_state_axes(d, state, g))
         sampling, keys = slot_args(sampling, ids), keys[ids]
-        buckets = spec_for_rows(eng._loop_spec, rows).buckets
+        buckets = row_bucket_spec(eng.config.loop_row_buckets, eng._loop_spec, rows).buckets
         s = rows
     lengths = jnp.full((s,), context, jnp.int32)
     dkey = eng._next_key()
@@ -187,9 +187,6 @@ def device_loop_profile(eng, *, reps: int = 3, n: int = 16, key: str = "",
     :func:`default_context`). ``rows``: the same for a call on that row bucket; buckets it can
     never fill copy the last it can (:func:`fill_unreachable`).
     """
-    if rows is not None and rows not in eng.config.loop_row_buckets:
-        raise ValueError(f"rows={rows} is not one of the engine's row buckets "
-                         f"{eng.config.loop_row_buckets}")
     ctx = default_context(eng.config) if context is None else context
     fns, carries = profile_steps(eng, ctx, rows)
     t = {name: loop_time(fn, carries[name], reps, n) for name, fn in fns.items()}
