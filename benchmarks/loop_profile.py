@@ -21,6 +21,7 @@ process (``python -m``), not after other JAX work in the same process.
 Run:
     python -m benchmarks.loop_profile --target runs/qs_target --drafter runs/qs_mtp_e2e_tv_ws
     python -m benchmarks.loop_profile --quick     # random tiny target, fresh MTP head (smoke run)
+    ... --policy none     # the engine's plain decode loop (what it adds around the target step)
 Writes ``--out`` (JSON, default ``benchmarks/results/loop_profile.json``; ``--quick``: a file in
 the temp directory) and prints the top ``--top`` lines as a markdown table.
 """
@@ -139,7 +140,7 @@ def _engine(args):
         prompts = _prompts(tok, args.domain, args.batch, args.prompt_len)
     cfg = EngineConfig(num_slots=args.batch, max_len=args.max_len, gamma=gamma, filters=False,
                        prefill_buckets=(64,), loop="device", loop_steps=64,
-                       scheduler=SchedulerConfig("fixed", k=gamma))
+                       scheduler=SchedulerConfig(args.policy, k=gamma))
     eng = Engine(target, drafter, params, frozen, cfg)
     eng.warmup(profile=False)
     return eng, prompts
@@ -220,6 +221,8 @@ def main(argv=None):
     parser.add_argument("--drafter", help="drafter run workdir (experiments.train_drafter)")
     parser.add_argument("--gamma", type=int, default=0, help="drafts per step (default: trained)")
     parser.add_argument("--batch", type=int, default=1, help="engine slots, one request each")
+    parser.add_argument("--policy", default="fixed", choices=("fixed", "mtp1", "none"),
+                        help="engine policy (fixed: K = gamma; none: the plain decode loop)")
     parser.add_argument("--domain", default="math", help="held-out prompts of this domain")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)

@@ -249,14 +249,16 @@ class Engine(HostLoopMixin, DeviceLoopMixin, WarmupMixin):
                 self.state, first = prefill_step(
                     self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
                     self.state, tokens, num_valid, reset, nxt, is_last, self._slot_keys(1),
-                    self._sampling(), max_len=self.config.max_len, gamma=self.config.gamma)
+                    self._sampling(), max_len=self.config.max_len, gamma=self.config.gamma,
+                    feed_drafter=self.feeds_drafter)
                 first = np.asarray(first)
             else:  # the admitted slots only, padded to a row bucket (specjax.engine.loop_rows)
                 self.state, sub_first = prefill_rows(
                     self.graphdef, self.target_state, self.drafter, self.params, self.frozen,
                     self.state, self._put(np.asarray(rows, np.int32)), tokens[rows],
                     num_valid[rows], reset[rows], nxt[rows], is_last[rows], self._slot_keys(1),
-                    self._sampling(), max_len=self.config.max_len, gamma=self.config.gamma)
+                    self._sampling(), max_len=self.config.max_len, gamma=self.config.gamma,
+                    feed_drafter=self.feeds_drafter)
                 first = np.zeros(s, np.int32)
                 first[rows] = np.asarray(sub_first)
             self.prefill_calls += 1
@@ -301,6 +303,12 @@ class Engine(HostLoopMixin, DeviceLoopMixin, WarmupMixin):
         self._finish(live, reason, error)
 
     # ---------------------------------------------------------------------------------- stepping
+    @property
+    def feeds_drafter(self) -> bool:
+        """Whether admission prefills the drafter: not under policy "none", which never drafts
+        (its prefill would cost a drafter pass and the target's hidden states per prompt)."""
+        return self.config.scheduler.policy != "none"
+
     @property
     def num_active(self) -> int:
         return sum(l is not None for l in self.slots)

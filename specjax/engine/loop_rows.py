@@ -100,6 +100,12 @@ def loop_state_axes(drafter, ls: LoopState, gamma: int) -> LoopState:
     return LoopState(dev=dev, **{f: 0 for f in _ROW_FIELDS}, **shared)
 
 
+def _drafter_state_whole(axes: DeviceState) -> DeviceState:
+    """``axes`` with the drafter state marked shared: take/put pass it through whole (for
+    programs that never read it; gathering and scattering it costs a copy of every buffer)."""
+    return axes._replace(drafter_state=jax.tree.map(lambda _: None, axes.drafter_state))
+
+
 def take_rows(tree, rows: jax.Array, axes):
     """Per leaf: the ``rows`` along its slot axis (leaves with axis ``None`` whole)."""
     return jax.tree.map(lambda x, ax: x if ax is None else jnp.take(x, rows, axis=ax), tree, axes)
@@ -132,6 +138,8 @@ def run_loop_rows(target_graphdef: nnx.GraphDef, target_state, drafter, params, 
     are. ``spec`` is the loop spec for ``R`` rows (:func:`spec_for_rows`); the other arguments
     are ``run_loop``'s, with their ``[S]`` slot axis. Returns the whole ``S``-slot state."""
     axes = loop_state_axes(drafter, ls, spec.gamma)
+    if spec.policy == "none":  # never drafts: the drafter state rides along, not gathered
+        axes = axes._replace(dev=_drafter_state_whole(axes.dev))
     sub = take_rows(ls, rows, axes)
     # run_loop's undecorated function: traced into this program, not a nested jit call
     sub = run_loop.__wrapped__(target_graphdef, target_state, drafter, params, frozen, sub,
@@ -140,19 +148,24 @@ def run_loop_rows(target_graphdef: nnx.GraphDef, target_state, drafter, params, 
     return put_rows(ls, sub, rows, axes)
 
 
-@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "max_len", "gamma"),
+@functools.partial(jax.jit,
+                   static_argnames=("target_graphdef", "drafter", "max_len", "gamma", "feed_drafter"),
                    donate_argnames=("state",))
 def prefill_rows(target_graphdef: nnx.GraphDef, target_state, drafter, params, frozen,
                  state: DeviceState, rows: jax.Array, tokens, num_valid, reset,
-                 next_prompt_token, is_last, first_keys, sampling, *, max_len: int, gamma: int):
+                 next_prompt_token, is_last, first_keys, sampling, *, max_len: int, gamma: int,
+                 feed_drafter: bool = True):
     """:func:`~specjax.engine.steps.prefill_step` on the slots ``rows`` (int32 ``[R]``, distinct)
     of the ``S``-slot ``state`` (donated): the chunk arrays (``tokens [R, C]``, ``num_valid``,
     ``reset``, ``next_prompt_token``, ``is_last``) are per row already; ``first_keys`` and
     ``sampling`` keep their ``[S]`` slot axis. A row with ``num_valid = 0`` is left as it is.
+    ``feed_drafter``: as ``prefill_step``'s (False: the drafter state is not gathered either).
     Returns ``(DeviceState for all S slots, first_token int32 [R])``."""
     axes = device_state_axes(drafter, state, gamma)
+    if not feed_drafter:
+        axes = _drafter_state_whole(axes)
     sub, first = prefill_step.__wrapped__(
         target_graphdef, target_state, drafter, params, frozen, take_rows(state, rows, axes),
         tokens, num_valid, reset, next_prompt_token, is_last, first_keys[rows],
-        slot_args(sampling, rows), max_len=max_len, gamma=gamma)
+        slot_args(sampling, rows), max_len=max_len, gamma=gamma, feed_drafter=feed_drafter)
     return put_rows(state, sub, rows, axes), first

@@ -249,11 +249,13 @@ def sample_rows(keys: jax.Array, probs: jax.Array, greedy=False) -> jax.Array:
     return sample_or_argmax(greedy, lambda: jax.vmap(sample)(keys, probs), probs)
 
 
-@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "max_len", "gamma"),
+@functools.partial(jax.jit,
+                   static_argnames=("target_graphdef", "drafter", "max_len", "gamma", "feed_drafter"),
                    donate_argnames=("state",))
 def prefill_step(target_graphdef: nnx.GraphDef, target_state, drafter, params, frozen,
                  state: DeviceState, tokens, num_valid, reset, next_prompt_token, is_last,
-                 first_keys, sampling: Sampling, *, max_len: int, gamma: int):
+                 first_keys, sampling: Sampling, *, max_len: int, gamma: int,
+                 feed_drafter: bool = True):
     """Feeds one prompt chunk per prefilling slot; samples the first token where the prompt ends.
 
     Args:
@@ -264,6 +266,9 @@ def prefill_step(target_graphdef: nnx.GraphDef, target_state, drafter, params, f
       is_last: bool ``[S]``: the chunk ends the prompt (then the first new token is sampled from
         the target alone at the last prompt position).
       first_keys: ``[S]`` PRNG keys for that first token.
+      feed_drafter: False skips the drafter (no hidden states, no drafter prefill: its state is
+        returned as it came). For engines that never draft (policy "none"): they never read it
+        (the host loop's verification commits it, as after ℓ = 0, into a state nothing reads).
     Returns:
       ``(DeviceState, first_token int32 [S])`` (first_token valid where ``is_last``).
     """
@@ -271,13 +276,16 @@ def prefill_step(target_graphdef: nnx.GraphDef, target_state, drafter, params, f
     cache = state.cache
     start = jnp.where(reset, 0, cache.lengths)
     cache = cache.rollback(start)
-    out = target(tokens, cache=cache, num_valid=num_valid, hidden_layers=drafter.hidden_layers,
+    out = target(tokens, cache=cache, num_valid=num_valid,
+                 hidden_layers=drafter.hidden_layers if feed_drafter else (),
                  logits_at=jnp.maximum(num_valid - 1, 0))
     last = out.logits[:, 0]
     first = sample_rows(first_keys, sampling.probs(last),
                         all_greedy(sampling.temperature, where=num_valid > 0))
     prefilling = num_valid > 0
     nxt = jnp.where(is_last, first, jnp.where(prefilling, next_prompt_token, state.anchor))
+    if not feed_drafter:
+        return DeviceState(cache=out.cache, drafter_state=state.drafter_state, anchor=nxt), first
     obs = Observation(tokens=tokens, num_valid=num_valid, start=start, next_token=nxt,
                       hidden=out.hidden)
     dstate = drafter.prefill(params, frozen, state.drafter_state, obs)

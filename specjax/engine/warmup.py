@@ -73,12 +73,13 @@ class WarmupMixin:
             weights = (self.graphdef, self.target_state, self.drafter, self.params, self.frozen)
             if r is None:
                 self.state, _ = prefill_step(*weights, self.state, *chunk, keys, sampling,
-                                             max_len=self.config.max_len, gamma=g)
+                                             max_len=self.config.max_len, gamma=g,
+                                             feed_drafter=self.feeds_drafter)
             else:  # admission into r rows (engine._admit)
                 self.state, _ = prefill_rows(*weights, self.state,
                                              self._put(np.arange(r, dtype=np.int32)), *chunk,
                                              keys, sampling, max_len=self.config.max_len,
-                                             gamma=g)
+                                             gamma=g, feed_drafter=self.feeds_drafter)
 
         for c in self.prefill_buckets:
             stages.append((f"prefill chunk {c}", functools.partial(prefill, c)))
