@@ -38,8 +38,8 @@ from flax import nnx
 from specjax.drafters.base import DraftOutput, Observation, Sampling
 from specjax.engine import device_policies as dp
 from specjax.engine import online_calibration as oc
-from specjax.engine.steps import DeviceState, sample_rows, verify_finish, verify_forward
-from specjax.sampling import all_greedy
+from specjax.engine.steps import DeviceState, verify_finish, verify_forward
+from specjax.sampling import all_greedy, sample
 
 VERIFY_SALT = 2  # key salt of verification noise (prefill's first token uses 1)
 # Production's exploration interval grows up to this factor while exploring never pays: at high
@@ -167,7 +167,8 @@ def plain_step(target_graphdef, target_state, ls: LoopState, sampling, keys, dra
 
     The token is drawn from the target's distribution after the anchor, as the bonus token of a
     verification with ℓ = 0 is, without the flattened layout or the verifier (about 1.3-1.5x
-    cheaper on CPU). Returns ``(DeviceState, tokens int32 [S, 1])``.
+    cheaper on CPU). ``keys``: the slots' ``[S]`` keys, or a function that makes them (called
+    only when some active slot samples). Returns ``(DeviceState, tokens int32 [S, 1])``.
     """
     dev = ls.dev
     target = nnx.merge(target_graphdef, target_state)
@@ -175,8 +176,18 @@ def plain_step(target_graphdef, target_state, ls: LoopState, sampling, keys, dra
     hidden_layers = () if drafter is None else drafter.hidden_layers
     res = target(dev.anchor[:, None], cache=dev.cache, num_valid=num_valid,
                  hidden_layers=hidden_layers)
-    tok = sample_rows(keys, sampling.probs(res.logits[:, 0]),
-                      all_greedy(sampling.temperature, where=ls.active))
+    logits = res.logits[:, 0]
+
+    def draw():
+        row_keys = keys() if callable(keys) else keys
+        return jax.vmap(sample)(row_keys, sampling.probs(logits))
+
+    # At temperature 0 a row's probabilities are the one-hot of the first argmax of its logits
+    # (logits_to_probs, whatever the filters): the greedy branch needs neither the
+    # probabilities nor the keys, whose derivation (two threefry loops per slot) XLA would
+    # otherwise run every step.
+    tok = jax.lax.cond(all_greedy(sampling.temperature, where=ls.active),
+                       lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32), draw)
     anchor = jnp.where(ls.active, tok, dev.anchor)
     dstate = dev.drafter_state
     if drafter is not None:
@@ -273,7 +284,10 @@ def run_loop(target_graphdef: nnx.GraphDef, target_state, drafter, params, froze
     def body(ls: LoopState):
         dev = ls.dev
         active = ls.active
-        keys = slot_keys(seeds, ls.steps, VERIFY_SALT)
+
+        def keys():  # built where used: a greedy plain step needs none
+            return slot_keys(seeds, ls.steps, VERIFY_SALT)
+
         if spec.policy == "none":
             dev, tokens = plain_step(target_graphdef, target_state, ls, sampling, keys)
             n_acc = jnp.zeros_like(ls.remaining)
@@ -302,8 +316,8 @@ def run_loop(target_graphdef: nnx.GraphDef, target_state, drafter, params, froze
 
             def speculate(step):
                 return _speculative_step(spec, target_graphdef, target_state, drafter, params,
-                                         frozen, step[0], ls, sampling, keys, key, budget, sps,
-                                         cap)
+                                         frozen, step[0], ls, sampling, keys(), key, budget,
+                                         sps, cap)
 
             def plain(step):
                 dev2, tok = plain_step(target_graphdef, target_state, ls._replace(dev=step[0]),
@@ -323,7 +337,7 @@ def run_loop(target_graphdef: nnx.GraphDef, target_state, drafter, params, froze
             cap = jnp.clip(jnp.minimum(g, ls.remaining - 1), 0, g)
             dev, tokens, n_acc, ell, conf = _speculative_step(
                 spec, target_graphdef, target_state, drafter, params, frozen, dev, ls, sampling,
-                keys, key, jnp.int32(0), sps, cap)
+                keys(), key, jnp.int32(0), sps, cap)
             drew = jnp.bool_(True)
             gap = ls.explore_gap
         cal_acc, cal_pred = ls.cal_acc, ls.cal_pred
