@@ -468,6 +468,54 @@ def test_quoted_spec_vs_plain_summary_matches_the_committed_results():
     assert (round(min(none), 2), round(max(none), 2)) == (0.85, 1.00)
 
 
+def test_quoted_second_spec_vs_plain_rerun_matches_its_results():
+    """docs/SPEC_VS_PLAIN.md's "Second re-run" bullets, from its JSON (and the committed run's
+    for the comparisons)."""
+    import numpy as np
+    results = os.path.join(ROOT, "benchmarks", "results")
+    cells = json.load(open(os.path.join(results, "spec_vs_plain_rerun2.json")))
+    sweep, cells = cells["max_len_sweep"], cells["cells"]
+    first = json.load(open(os.path.join(results, "spec_vs_plain.json")))["cells"]
+    assert len(cells) == len(first) == 18
+    mtp, dspark = "spec:mtp:fixed", "spec:dspark:fixed"
+
+    def span(xs, nd=2):
+        return round(min(xs), nd), round(float(np.median(xs)), nd), round(max(xs), nd)
+
+    assert [sum(a["decoders"][k]["tau"] == b["decoders"][k]["tau"] for a, b in zip(first, cells))
+            for k in (mtp, dspark)] == [0, 18]
+    speed = [max(c["decoders"][n]["tokens_per_s"] for n in ("generate", "engine_none",
+                                                             "generate_host")) for c in cells]
+    speed0 = [max(c["decoders"][n]["tokens_per_s"] for n in ("generate", "engine_none",
+                                                              "generate_host")) for c in first]
+    assert span([a / b for a, b in zip(speed, speed0)]) == (0.77, 0.99, 1.22)
+    none = {b: span([c["engine_none_vs_fastest"] for c in cells if c["batch"] == b])
+            for b in (1, 8, 32)}
+    assert none == {1: (0.97, 0.99, 1.0), 8: (0.93, 0.94, 0.96), 32: (0.94, 0.96, 1.0)}
+    none0 = {b: [c["engine_none_vs_fastest"] for c in first if c["batch"] == b] for b in (1, 8, 32)}
+    assert [(round(min(v), 2), round(max(v), 2)) for v in none0.values()] == [
+        (0.85, 1.0), (0.88, 0.97), (0.87, 0.98)]
+    s = {k: span([c["decoders"][k]["speedup"] for c in cells]) for k in (mtp, dspark)}
+    assert s == {mtp: (0.35, 0.59, 0.8), dspark: (0.33, 0.53, 0.81)}
+    assert [round(float(np.median([c["decoders"][k]["speedup"] for c in cells
+                                   if c["batch"] == 1])), 2) for k in (mtp, dspark)] == [0.7, 0.67]
+    pred = {k: [c["decoders"][k]["predicted_speedup"] for c in cells] for k in (mtp, dspark)}
+    assert {k: (sum(x < 1 for x in v), round(min(v), 2), round(max(v), 2))
+            for k, v in pred.items()} == {mtp: (18, 0.43, 0.99), dspark: (17, 0.44, 1.11)}
+    costs = [c["decoders"][k]["step_costs"] for c in cells for k in (mtp, dspark)]
+    assert span([x["verify_s"] / x["plain_s"] for x in costs]) == (1.53, 1.82, 2.34)
+    draft = [c["decoders"][mtp]["step_costs"] for c in cells]
+    assert span([x["draft_s"] / x["plain_s"] for x in draft])[::2] == (1.12, 1.52)
+    ratio = {k: [c["decoders"][k]["measured_over_predicted"] for c in cells] for k in (mtp, dspark)}
+    assert [round(float(np.median(v)), 2) for v in ratio.values()] == [0.79, 0.82]
+    both = ratio[mtp] + ratio[dspark]
+    assert (round(min(both), 2), round(max(both), 2)) == (0.58, 1.12)
+    step = {(r["batch"], r["max_len"]): r for r in sweep}
+    assert [[round(step[b, 2048][f] / step[b, 256][f], 2) for b in (1, 8, 32)]
+            for f in ("generate_step_s", "engine_none_step_s")] == [[1.22, 1.19, 1.14],
+                                                                   [1.25, 1.02, 1.0]]
+
+
 def _vs_no_spec_and_windows(claims, arms):
     """The RL study's paired numbers, rounded to the docs' points: ``(gain minus no_spec per
     (arm, metric) as [diff, se], online minus frozen acceptance per (arm, window) as [mean, se])``
