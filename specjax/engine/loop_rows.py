@@ -148,9 +148,8 @@ def run_loop_rows(target_graphdef: nnx.GraphDef, target_state, drafter, params, 
     return put_rows(ls, sub, rows, axes)
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("target_graphdef", "drafter", "max_len", "gamma", "feed_drafter"),
-                   donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "max_len", "gamma",
+                                             "feed_drafter"), donate_argnames=("state",))
 def prefill_rows(target_graphdef: nnx.GraphDef, target_state, drafter, params, frozen,
                  state: DeviceState, rows: jax.Array, tokens, num_valid, reset,
                  next_prompt_token, is_last, first_keys, sampling, *, max_len: int, gamma: int,

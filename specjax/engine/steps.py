@@ -249,9 +249,8 @@ def sample_rows(keys: jax.Array, probs: jax.Array, greedy=False) -> jax.Array:
     return sample_or_argmax(greedy, lambda: jax.vmap(sample)(keys, probs), probs)
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("target_graphdef", "drafter", "max_len", "gamma", "feed_drafter"),
-                   donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "max_len", "gamma",
+                                             "feed_drafter"), donate_argnames=("state",))
 def prefill_step(target_graphdef: nnx.GraphDef, target_state, drafter, params, frozen,
                  state: DeviceState, tokens, num_valid, reset, next_prompt_token, is_last,
                  first_keys, sampling: Sampling, *, max_len: int, gamma: int,
