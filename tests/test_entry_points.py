@@ -278,6 +278,11 @@ def test_loop_profile_self_times_take_nested_events_off_their_parent():
      and r["loop_programs"] == 1
      and {"specjax/models/transformer.py", "specjax/drafters/mtp.py"}
      <= {x["source"].split(":")[0] for x in r["rows"]}),
+    # the plain loop (policy none): one token per step, and the drafter's code never runs in it
+    ("benchmarks.loop_profile", ["--policy", "none"], lambda r: r["tau"] == 1.0
+     and r["steps"] > 0 and "specjax/models/transformer.py"
+     in {x["source"].split(":")[0] for x in r["rows"]}
+     and not any(x["source"].startswith("specjax/drafters/") for x in r["rows"])),
     # the MTP draft step now and as it was emit the same tokens; each cut counts fewer FLOPs
     ("benchmarks.mtp_window", [], lambda r: [d["window"] for d in r["drafters"].values()]
      == [4, 4, 6] and r["drafters"]["speculative"]["propose_flops"]
