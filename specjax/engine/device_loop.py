@@ -38,8 +38,8 @@ from flax import nnx
 from specjax.drafters.base import DraftOutput, Observation, Sampling
 from specjax.engine import device_policies as dp
 from specjax.engine import online_calibration as oc
-from specjax.engine.steps import DeviceState, verify_finish, verify_forward
-from specjax.sampling import all_greedy, sample
+from specjax.engine.steps import DeviceState, sample_rows, verify_finish, verify_forward
+from specjax.sampling import all_greedy
 
 VERIFY_SALT = 2  # key salt of verification noise (prefill's first token uses 1)
 # Production's exploration interval grows up to this factor while exploring never pays: at high
@@ -176,18 +176,8 @@ def plain_step(target_graphdef, target_state, ls: LoopState, sampling, keys, dra
     hidden_layers = () if drafter is None else drafter.hidden_layers
     res = target(dev.anchor[:, None], cache=dev.cache, num_valid=num_valid,
                  hidden_layers=hidden_layers)
-    logits = res.logits[:, 0]
-
-    def draw():
-        row_keys = keys() if callable(keys) else keys
-        return jax.vmap(sample)(row_keys, sampling.probs(logits))
-
-    # At temperature 0 a row's probabilities are the one-hot of the first argmax of its logits
-    # (logits_to_probs, whatever the filters): the greedy branch needs neither the
-    # probabilities nor the keys, whose derivation (two threefry loops per slot) XLA would
-    # otherwise run every step.
-    tok = jax.lax.cond(all_greedy(sampling.temperature, where=ls.active),
-                       lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32), draw)
+    tok = sample_rows(keys, res.logits[:, 0], sampling,
+                      all_greedy(sampling.temperature, where=ls.active))
     anchor = jnp.where(ls.active, tok, dev.anchor)
     dstate = dev.drafter_state
     if drafter is not None:

@@ -27,7 +27,7 @@ from flax import nnx
 
 from specjax.drafters.base import Observation, Sampling
 from specjax.models.kv_cache import KVCache, NewKV
-from specjax.sampling import all_greedy, sample, sample_or_argmax
+from specjax.sampling import all_greedy, sample
 from specjax.verify import (rejection_sample, rejection_sample_with_noise, target_only_sample,
                             target_only_sample_with_noise)
 
@@ -243,10 +243,22 @@ def merge_rows(drafter, mask: jax.Array, new, old, *, max_len: int, gamma: int):
     return select_rows(mask, new, old, axes)
 
 
-def sample_rows(keys: jax.Array, probs: jax.Array, greedy=False) -> jax.Array:
-    """One token per row ``[S, V] -> [S]`` with the row's own key; ``greedy`` (bool scalar:
-    every row is temperature 0) takes the argmax and draws no noise (the same tokens)."""
-    return sample_or_argmax(greedy, lambda: jax.vmap(sample)(keys, probs), probs)
+def sample_rows(keys, logits: jax.Array, sampling: Sampling, greedy=False) -> jax.Array:
+    """One token per row from ``logits [S, V]`` under each row's sampling, with its own key
+    (``keys``: ``[S]`` keys, or a function that makes them). Returns int32 ``[S]``.
+
+    ``greedy`` (bool scalar: every row that matters is at temperature 0) takes the argmax of the
+    logits and builds neither the probabilities nor the keys: at temperature 0
+    :func:`~specjax.sampling.logits_to_probs` is the one-hot of the first argmax of the logits,
+    whatever the filters, so the tokens are the same. (Inside the device loop the keys'
+    derivation, two threefry loops per slot, would otherwise run every step.)
+    """
+    def draw():
+        row_keys = keys() if callable(keys) else keys
+        return jax.vmap(sample)(row_keys, sampling.probs(logits))
+
+    return jax.lax.cond(jnp.asarray(greedy, bool),
+                        lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32), draw)
 
 
 @functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "max_len", "gamma",
@@ -279,7 +291,7 @@ def prefill_step(target_graphdef: nnx.GraphDef, target_state, drafter, params, f
                  hidden_layers=drafter.hidden_layers if feed_drafter else (),
                  logits_at=jnp.maximum(num_valid - 1, 0))
     last = out.logits[:, 0]
-    first = sample_rows(first_keys, sampling.probs(last),
+    first = sample_rows(first_keys, last, sampling,
                         all_greedy(sampling.temperature, where=num_valid > 0))
     prefilling = num_valid > 0
     nxt = jnp.where(is_last, first, jnp.where(prefilling, next_prompt_token, state.anchor))
