@@ -48,9 +48,8 @@ def run(args) -> dict:
 
     from benchmarks.mtp_window import load_models
     from experiments.quickstart import b1_max_len
-    from specjax.engine import Engine, EngineConfig, Request
+    from specjax.engine import Request
     from specjax.models.generate import generate_timed
-    from specjax.scheduling import SchedulerConfig
     args.domains = ["math"]
     args.prompts = max(args.loads)
     target, drafter, params, frozen, gamma, prompts = load_models(args)
@@ -59,14 +58,8 @@ def run(args) -> dict:
     max_len = b1_max_len(args.prompt_len, args.new_tokens, gamma)
 
     def engine(policy: str, slots: int, row_buckets):
-        cfg = EngineConfig(num_slots=slots, max_len=max_len, gamma=gamma, filters=False,
-                           prefill_buckets=(args.prompt_len,), loop="device",
-                           loop_steps=args.loop_steps, row_buckets=row_buckets,
-                           scheduler=SchedulerConfig(policy, k=gamma if policy == "fixed" else 0))
-        eng = Engine(target, drafter, params, frozen, cfg)
-        t0 = time.perf_counter()
-        eng.warmup(profile=False)
-        return eng, time.perf_counter() - t0
+        return timed_engine((target, drafter, params, frozen), args, max_len, gamma, policy,
+                            num_slots=slots, row_buckets=row_buckets)
 
     cells, warmup_s = [], {}
     for policy in args.policies:
@@ -115,6 +108,26 @@ def run(args) -> dict:
                         "device_kind": jax.devices()[0].device_kind},
             "config": portable_values({k: v for k, v in vars(args).items() if k != "out"}),
             "gamma": int(gamma), "max_len": max_len, "warmup_s": warmup_s, "cells": cells}
+
+
+def timed_engine(models, args, max_len: int, gamma: int, policy: str, *, profile: bool = False,
+                 **config):
+    """``(engine, warm-up seconds)``: a device-loop engine of ``models`` (target, drafter, params,
+    frozen) as the load sweeps build it: prompts prefilled in one ``--prompt_len`` chunk,
+    ``--loop_steps`` steps per call, no sampling filters, fixed K = γ (other policies: K unused);
+    ``config``: the remaining :class:`~specjax.engine.EngineConfig` fields (slots, row buckets,
+    ...). ``profile``: warm-up also times the SPS profiles."""
+    from specjax.engine import Engine, EngineConfig
+    from specjax.scheduling import SchedulerConfig
+    cfg = EngineConfig(max_len=max_len, gamma=gamma, filters=False,
+                       prefill_buckets=(args.prompt_len,), loop="device",
+                       loop_steps=args.loop_steps,
+                       scheduler=SchedulerConfig(policy, k=gamma if policy == "fixed" else 0),
+                       **config)
+    eng = Engine(*models, cfg)
+    t0 = time.perf_counter()
+    eng.warmup(profile=profile)
+    return eng, time.perf_counter() - t0
 
 
 def plot_loads(result: dict, path: str, panel_key: str, titles: dict, labels: dict,

@@ -50,7 +50,8 @@ import os
 import platform
 import time
 
-from benchmarks.row_buckets import add_load_args, check_load_args, plot_loads, write_results
+from benchmarks.row_buckets import (add_load_args, check_load_args, plot_loads, timed_engine,
+                                    write_results)
 from benchmarks.timing import alternating_runs, decoder_figures
 from specjax.machine import cpu_model
 from specjax.paths import portable_values
@@ -73,10 +74,9 @@ def run(args) -> dict:
 
     from benchmarks.mtp_window import load_models
     from experiments.quickstart import b1_max_len
-    from specjax.engine import Engine, EngineConfig, Request
+    from specjax.engine import Request
     from specjax.engine import warmup as warmup_mod
     from specjax.models.generate import generate_timed
-    from specjax.scheduling import SchedulerConfig
     args.domains = ["math"]
     args.prompts = max(args.loads)
     target, drafter, params, frozen, gamma, prompts = load_models(args, "dspark")
@@ -85,15 +85,9 @@ def run(args) -> dict:
     max_len = b1_max_len(args.prompt_len, args.new_tokens, gamma)
 
     def engine(policy: str, profile: bool, calibrate: bool = False):
-        cfg = EngineConfig(num_slots=args.slots, max_len=max_len, gamma=gamma, filters=False,
-                           prefill_buckets=(args.prompt_len,), loop="device",
-                           loop_steps=args.loop_steps, row_buckets="auto",
-                           profile_reps=args.profile_reps, online_calibration=calibrate,
-                           scheduler=SchedulerConfig(policy, k=gamma if policy == "fixed" else 0))
-        eng = Engine(target, drafter, params, frozen, cfg)
-        t0 = time.perf_counter()
-        eng.warmup(profile=profile)
-        return eng, time.perf_counter() - t0
+        return timed_engine((target, drafter, params, frozen), args, max_len, gamma, policy,
+                            profile=profile, num_slots=args.slots, row_buckets="auto",
+                            profile_reps=args.profile_reps, online_calibration=calibrate)
 
     # time each profile warm-up measures (the all-slot one: rows None)
     profile_s: dict = {}
