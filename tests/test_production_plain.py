@@ -160,6 +160,8 @@ def test_production_exploration_backs_off_while_it_never_pays(target):
     reqs = [Request(prompt=rng.integers(0, CFG.vocab_size, size=5).tolist(), max_new_tokens=20)
             for _ in range(60)]
     eng.generate(reqs)
+    # the plain steps run as an inner loop of the device loop: it too stops at loop_steps
+    assert max(s.steps for s in eng.loop_stats) == eng.config.loop_steps
     steps = sum(s.steps for s in eng.loop_stats)
     draft_steps = sum(s.draft_steps for s in eng.loop_stats)
     marks, t, gap = [], 0, every

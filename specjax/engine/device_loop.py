@@ -18,7 +18,9 @@ and returns when no slot is active, after ``spec.max_steps`` steps (the host str
 admits (prefill), streams and finishes.
 
 Plain decoding (policy "none") runs a dense ``[S, 1]`` decode step instead: no drafter, no
-flattening, no verifier.
+flattening, no verifier. Production's steps without drafts run the same step (plus the
+drafter's commit) as the body of an inner ``while_loop`` that lasts while production keeps
+choosing not to draft; each trip of the outer loop ends with the drafting step that stopped it.
 
 Exactness is the host engine's: the same verification (:func:`~specjax.engine.steps.verify_forward`
 in the bucket branch, then :func:`~specjax.engine.steps.verify_finish`), per-request
@@ -271,65 +273,14 @@ def run_loop(target_graphdef: nnx.GraphDef, target_state, drafter, params, froze
         return ((ls.t < spec.max_steps) & jnp.any(ls.active) & ~(stop_on_finish & ls.finished)
                 & (jnp.sum(ls.active) > shrink_at))
 
-    def body(ls: LoopState):
-        dev = ls.dev
-        active = ls.active
-
+    def keys_of(ls: LoopState):
         def keys():  # built where used: a greedy plain step needs none
             return slot_keys(seeds, ls.steps, VERIFY_SALT)
+        return keys
 
-        if spec.policy == "none":
-            dev, tokens = plain_step(target_graphdef, target_state, ls, sampling, keys)
-            n_acc = jnp.zeros_like(ls.remaining)
-            ell = jnp.where(active, 0, -1)
-            drew = jnp.bool_(False)
-            gap = ls.explore_gap
-        elif spec.policy == "production":
-            # Budget from each slot's latest drafted confidences (a step or more old: nothing is
-            # in flight on the device, unlike the paper's CPU scheduler, whose newest are two
-            # steps old); no budget -> a plain step (no draft).
-            cap = jnp.clip(jnp.minimum(g, ls.remaining - 1), 0, g)
-            stale = jnp.where((ls.hist_n >= 1)[:, None], ls.conf_hist[:, 1], ls.prior[None])
-            stale = _calibrated(spec, ls, stale)
-            budget = dp.budget_search(stale, sps, cap, active, sps_draft, sps_plain)
-            voluntary = budget > 0
-            explore = ~voluntary & (spec.explore_every > 0) & \
-                (ls.since_draft + 1 >= ls.explore_gap)
-            # an exploring step drafts whatever the plain step's rate: the best budget > 0
-            budget = jnp.where(explore, dp.budget_search(stale, sps, cap, active, sps_draft,
-                                                         jnp.float32(1e-30)), budget)
-            drew = budget > 0
-            gap = jnp.where(voluntary, spec.explore_every,
-                            jnp.where(drew, jnp.minimum(2 * ls.explore_gap,
-                                                        EXPLORE_BACKOFF * spec.explore_every),
-                                      ls.explore_gap))
-
-            def speculate(step):
-                return _speculative_step(spec, target_graphdef, target_state, drafter, params,
-                                         frozen, step[0], ls, sampling, keys(), key, budget,
-                                         sps, cap)
-
-            def plain(step):
-                dev2, tok = plain_step(target_graphdef, target_state, ls._replace(dev=step[0]),
-                                        sampling, keys, drafter, params, frozen)
-                return (dev2, step[1].at[:, :1].set(tok)) + step[2:]
-
-            s = active.shape[0]
-            step = (dev, jnp.full((s, g + 1), -1, jnp.int32), jnp.zeros((s,), jnp.int32),
-                    jnp.where(active, 0, -1), jnp.zeros((s, g), jnp.float32))
-            # Either step runs as a loop of 0 or 1 trips, not as the branches of a lax.cond:
-            # XLA:CPU copies the whole target cache into and out of a conditional whose
-            # branches write it, and updates a while loop's carry in place.
-            step = _run_if(~drew, plain, step)
-            dev, tokens, n_acc, ell, conf = _run_if(drew, speculate, step)
-            ls = _update_confidences(ls, conf, active & drew)
-        else:
-            cap = jnp.clip(jnp.minimum(g, ls.remaining - 1), 0, g)
-            dev, tokens, n_acc, ell, conf = _speculative_step(
-                spec, target_graphdef, target_state, drafter, params, frozen, dev, ls, sampling,
-                keys(), key, jnp.int32(0), sps, cap)
-            drew = jnp.bool_(True)
-            gap = ls.explore_gap
+    def finish(ls: LoopState, dev, tokens, n_acc, ell, conf, drew, gap):
+        """The step's bookkeeping, whichever step ran: calibration, emit, statistics."""
+        active = ls.active
         cal_acc, cal_pred = ls.cal_acc, ls.cal_pred
         if spec.calibrate and spec.policy != "none":
             cal_acc, cal_pred = oc.update(cal_acc, cal_pred, conf, jnp.where(active, ell, -1),
@@ -347,6 +298,70 @@ def run_loop(target_graphdef: nnx.GraphDef, target_state, drafter, params, froze
             since_draft=jnp.where(drew, 0, ls.since_draft + 1), explore_gap=gap,
             draws=ls.draws + drew,
             t=ls.t + 1, finished=ls.finished | jnp.any(done))
+
+    def plain_body(ls: LoopState, with_drafter: bool):
+        """One plain decode step for every active slot (no drafts: ℓ = 0)."""
+        extra = (drafter, params, frozen) if with_drafter else ()
+        dev, tok = plain_step(target_graphdef, target_state, ls, sampling, keys_of(ls), *extra)
+        s = ls.active.shape[0]
+        tokens = jnp.full((s, g + 1), -1, jnp.int32).at[:, :1].set(tok)
+        return finish(ls, dev, tokens, jnp.zeros_like(ls.remaining),
+                      jnp.where(ls.active, 0, -1), jnp.zeros((s, g), jnp.float32),
+                      jnp.bool_(False), ls.explore_gap)
+
+    def production_choice(ls: LoopState):
+        """``(cap, budget, drew, explore gap after the step)`` of production's next step: the
+        budget from each slot's latest drafted confidences (a step or more old: nothing is in
+        flight on the device, unlike the paper's CPU scheduler, whose newest are two steps
+        old); budget 0 -> a plain step (no draft) unless it is time to explore."""
+        cap = jnp.clip(jnp.minimum(g, ls.remaining - 1), 0, g)
+        stale = jnp.where((ls.hist_n >= 1)[:, None], ls.conf_hist[:, 1], ls.prior[None])
+        stale = _calibrated(spec, ls, stale)
+        budget = dp.budget_search(stale, sps, cap, ls.active, sps_draft, sps_plain)
+        voluntary = budget > 0
+        explore = ~voluntary & (spec.explore_every > 0) & \
+            (ls.since_draft + 1 >= ls.explore_gap)
+        # an exploring step drafts whatever the plain step's rate: the best budget > 0
+        budget = jnp.where(explore, dp.budget_search(stale, sps, cap, ls.active, sps_draft,
+                                                     jnp.float32(1e-30)), budget)
+        drew = budget > 0
+        gap = jnp.where(voluntary, spec.explore_every,
+                        jnp.where(drew, jnp.minimum(2 * ls.explore_gap,
+                                                    EXPLORE_BACKOFF * spec.explore_every),
+                                  ls.explore_gap))
+        return cap, budget, drew, gap
+
+    def speculative_body(ls: LoopState, budget, cap, drew, gap):
+        """One drafting step: draft, choose ℓ (``budget``: production's), verify, commit."""
+        dev, tokens, n_acc, ell, conf = _speculative_step(
+            spec, target_graphdef, target_state, drafter, params, frozen, ls.dev, ls, sampling,
+            keys_of(ls)(), key, budget, sps, cap)
+        if spec.policy == "production":
+            ls = _update_confidences(ls, conf, ls.active & drew)
+        return finish(ls, dev, tokens, n_acc, ell, conf, drew, gap)
+
+    if spec.policy == "none":
+        return jax.lax.while_loop(cond, lambda ls: plain_body(ls, False), ls)
+
+    if spec.policy == "production":
+        # Each trip: the plain steps production chooses, as an inner while loop, then the
+        # drafting step that ended them, as a loop of 0 or 1 trips. Neither is a lax.cond
+        # branch (XLA:CPU copies the whole target cache into and out of a conditional whose
+        # branches write it); a plain step in a 0-or-1-trip loop of its own ran slower on CPU
+        # than as a loop body, and only the drafting step, several times dearer, pays that.
+        def drafting(ls):
+            cap, budget, drew, gap = production_choice(ls)
+            return speculative_body(ls, budget, cap, drew, gap)
+
+        def body(ls: LoopState):
+            ls = jax.lax.while_loop(lambda l: cond(l) & ~production_choice(l)[2],
+                                    lambda l: plain_body(l, True), ls)
+            return _run_if(cond(ls), drafting, ls)
+        return jax.lax.while_loop(cond, body, ls)
+
+    def body(ls: LoopState):
+        cap = jnp.clip(jnp.minimum(g, ls.remaining - 1), 0, g)
+        return speculative_body(ls, jnp.int32(0), cap, jnp.bool_(True), ls.explore_gap)
 
     return jax.lax.while_loop(cond, body, ls)
 
