@@ -1102,6 +1102,51 @@ def test_quoted_row_bucket_numbers_match_the_committed_results():
         assert quoted in flat, quoted
 
 
+def test_quoted_row_profile_rerun_matches_its_results():
+    """docs/SERVING.md's "Re-run on the current engine" (table and bullets), from
+    benchmarks/results/row_profiles_rerun.json beside the two earlier runs."""
+    doc = open(os.path.join(ROOT, "docs", "SERVING.md")).read()
+    flat = " ".join(doc.split())
+    runs = [json.load(open(os.path.join(ROOT, "benchmarks", "results", f"{n}.json")))
+            for n in ("row_profiles", "row_profiles_repeat", "row_profiles_rerun")]
+    first, second, rerun = runs
+    c = rerun["config"]
+    assert (c["target"], c["drafter"]) == ("runs/qs_target", "runs/qs_dspark_markov")
+    assert ("python -m benchmarks.row_profiles --target runs/qs_target --drafter "
+            "runs/qs_dspark_markov --out benchmarks/results/row_profiles_rerun.json") in flat
+    for key in ("slots", "loads", "temperatures", "new_tokens", "reps", "prompt_len",
+                "loop_steps"):
+        assert c[key] == first["config"][key], key
+    assert "Intel" in rerun["machine"]["cpu"] and rerun["machine"]["cores"] == 2
+    assert all(x["same_tokens"] for x in rerun["cells"] if x["temperature"] == 0)
+    assert all(x["decoders"]["plain"]["decoder"] == "generate" for x in rerun["cells"])
+
+    def none_rate(x):
+        return x["decoders"]["engine_none"]["tokens_per_s"]
+    speed = []
+    for a, b, r in zip(first["cells"], second["cells"], rerun["cells"]):
+        assert (a["temperature"], a["load"]) == (b["temperature"], b["load"]) == \
+            (r["temperature"], r["load"])
+        speed.append(none_rate(r) / none_rate(a))
+        row = (f"| {r['temperature']:g} | {r['load']} | {r['cal_over_engine_none']:.2f}x | "
+               f"{a['cal_over_engine_none']:.2f} / {b['cal_over_engine_none']:.2f}x | "
+               f"{100 * r['decoders']['row_profiles_cal']['drafting_share']:.0f} % | "
+               f"{r['row_profiles_over_engine_none']:.2f}x | {speed[-1]:.2f}x |")
+        assert row in doc, row
+
+    def span(vals):
+        return f"{min(vals):.2f}-{max(vals):.2f}"
+    assert f"engine `none` ran at {span(speed)}x its tokens/s of the first run" in flat
+    now = [x["cal_over_engine_none"] for x in rerun["cells"]]
+    before = [x["cal_over_engine_none"] for r in (first, second) for x in r["cells"]]
+    assert f"plain decoding: {span(now)}x, against {span(before)}x in the two runs before" in flat
+    spread = max(abs(a["cal_over_engine_none"] - b["cal_over_engine_none"])
+                 for a, b in zip(first["cells"], second["cells"]))
+    assert f"(up to {spread:.2f} between the first and the second run)" in flat
+    # "no change shows": the re-run's range overlaps the earlier runs' widened by that spread
+    assert min(now) >= min(before) - spread and max(now) <= max(before) + spread
+
+
 def test_quoted_row_profile_numbers_match_the_committed_results():
     """docs/SERVING.md's "A profile per row bucket" (both tables and their bullets), from the
     committed runs of benchmarks/row_profiles.py."""
