@@ -40,8 +40,7 @@ from flax import nnx
 from specjax.drafters.base import DraftOutput, Observation, Sampling
 from specjax.engine import device_policies as dp
 from specjax.engine import online_calibration as oc
-from specjax.engine.steps import DeviceState, sample_rows, verify_finish, verify_forward
-from specjax.sampling import all_greedy
+from specjax.engine.steps import DeviceState, plain_forward, verify_finish, verify_forward
 
 VERIFY_SALT = 2  # key salt of verification noise (prefill's first token uses 1)
 # Production's exploration interval grows up to this factor while exploring never pays: at high
@@ -173,17 +172,12 @@ def plain_step(target_graphdef, target_state, ls: LoopState, sampling, keys, dra
     only when some active slot samples). Returns ``(DeviceState, tokens int32 [S, 1])``.
     """
     dev = ls.dev
-    target = nnx.merge(target_graphdef, target_state)
-    num_valid = ls.active.astype(jnp.int32)
     hidden_layers = () if drafter is None else drafter.hidden_layers
-    res = target(dev.anchor[:, None], cache=dev.cache, num_valid=num_valid,
-                 hidden_layers=hidden_layers)
-    tok = sample_rows(keys, res.logits[:, 0], sampling,
-                      all_greedy(sampling.temperature, where=ls.active))
-    anchor = jnp.where(ls.active, tok, dev.anchor)
+    res, tok, anchor = plain_forward(target_graphdef, target_state, dev, ls.active, sampling,
+                                     keys, hidden_layers)
     dstate = dev.drafter_state
     if drafter is not None:
-        obs = Observation(tokens=dev.anchor[:, None], num_valid=num_valid,
+        obs = Observation(tokens=dev.anchor[:, None], num_valid=ls.active.astype(jnp.int32),
                           start=dev.cache.lengths, next_token=anchor, hidden=res.hidden)
         dstate = drafter.commit(params, frozen, dstate, obs)
     return DeviceState(res.cache, dstate, anchor), tok[:, None]

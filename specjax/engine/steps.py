@@ -261,6 +261,30 @@ def sample_rows(keys, logits: jax.Array, sampling: Sampling, greedy=False) -> ja
                         lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32), draw)
 
 
+def plain_forward(target_graphdef: nnx.GraphDef, target_state, state: DeviceState, active,
+                  sampling: Sampling, keys, hidden_layers: tuple = ()):
+    """One dense ``[S, 1]`` decode step of the target: each active slot (bool ``[S]``) consumes
+    its anchor and draws the next token from the target's distribution (as the bonus token of a
+    verification of no drafts is, without the flattened layout or the verifier). ``keys``: as
+    :func:`sample_rows`. Returns ``(forward output, tokens int32 [S], new anchors int32 [S])``;
+    the output's cache holds the new keys / values, its ``hidden`` the ``hidden_layers``."""
+    target = nnx.merge(target_graphdef, target_state)
+    res = target(state.anchor[:, None], cache=state.cache, num_valid=active.astype(jnp.int32),
+                 hidden_layers=hidden_layers)
+    tok = sample_rows(keys, res.logits[:, 0], sampling,
+                      all_greedy(sampling.temperature, where=active))
+    return res, tok, jnp.where(active, tok, state.anchor)
+
+
+@functools.partial(jax.jit, static_argnames=("target_graphdef",), donate_argnames=("state",))
+def plain_decode_step(target_graphdef: nnx.GraphDef, target_state, state: DeviceState, active,
+                      keys, sampling: Sampling):
+    """The host loop's step under policy "none": :func:`plain_forward`, the drafter state passed
+    through untouched (nothing reads it). Returns ``(DeviceState, tokens int32 [S])``."""
+    res, tok, anchor = plain_forward(target_graphdef, target_state, state, active, sampling, keys)
+    return DeviceState(res.cache, state.drafter_state, anchor), tok
+
+
 @functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "max_len", "gamma",
                                              "feed_drafter"), donate_argnames=("state",))
 def prefill_step(target_graphdef: nnx.GraphDef, target_state, drafter, params, frozen,

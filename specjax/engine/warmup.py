@@ -23,7 +23,7 @@ from specjax.buckets import SPSProfile, profile_sps
 from specjax.engine.loop_profile import production_loop_profile
 from specjax.engine.loop_rows import prefill_rows
 from specjax.engine.step_costs import default_context, device_loop_profile
-from specjax.engine.steps import merge_rows, prefill_step, verify_step
+from specjax.engine.steps import merge_rows, plain_decode_step, prefill_step, verify_step
 
 
 def row_cache_path(path: Optional[str], rows: int) -> Optional[str]:
@@ -118,6 +118,13 @@ class WarmupMixin:
             stages.append(("SPS profile", functools.partial(profile_rows, None)))
             stages += [(f"SPS profile{on(r)}", functools.partial(profile_rows, r))
                        for r in rows]
+            return stages
+        if policy == "none":  # the host loop's plain decode step: no drafter, no buckets
+            def plain():
+                self.state, tok = plain_decode_step(self.graphdef, self.target_state, self.state,
+                                                    np.zeros(s, bool), keys, sampling)
+                jax.block_until_ready(tok)
+            stages.append(("plain decode step", plain))
             return stages
         held = {}
 
