@@ -6,9 +6,9 @@ distribution (chi-square at the 1e-6 level)."""
 import jax
 import numpy as np
 import pytest
-# target: test_engine's fixture (the same peaked tiny model)
+# target, sampling_target: test_engine's fixtures (the same tiny models)
 from test_engine import (_assert_first_tokens_follow_target, _assert_greedy, _drafter,  # noqa: F401
-                         _requests, _run_mixed, target)
+                         _requests, _run_mixed, sampling_target, target)
 
 from specjax.engine import Engine, EngineConfig, Request
 from specjax.scheduling import SchedulerConfig
@@ -42,13 +42,13 @@ def test_none_leaves_the_drafter_state_as_it_was(target, loop, row_buckets):
 
 
 @pytest.mark.parametrize("loop", ["device", "host"])
-def test_none_with_row_buckets_samples_from_the_target(target, loop):
+def test_none_with_row_buckets_samples_from_the_target(sampling_target, loop):
     """Temperature 1, 4 slots, 1800 seeds of one prompt served in batches of 1, 2 and 3, so that
     device-loop calls and admissions run on row buckets of 1 and 2 rows (drafter state passed
     through whole) as well as all 4, and the host loop runs its dense plain step with 1-3 of
     its 4 slots active: the first three tokens follow the target's exact distribution."""
-    d, p, f = _drafter("mtp", target)
-    engine = Engine(target, d, p, f, EngineConfig(
+    d, p, f = _drafter("mtp", sampling_target)
+    engine = Engine(sampling_target, d, p, f, EngineConfig(
         num_slots=4, max_len=24, gamma=3, prefill_buckets=(8,), loop_steps=2, loop=loop,
         row_buckets="auto" if loop == "device" else (), filters=False,
         scheduler=SchedulerConfig("none")))
@@ -62,4 +62,4 @@ def test_none_with_row_buckets_samples_from_the_target(target, loop):
         toks += [r.tokens for r in engine.generate(batch)]
     stats = engine.loop_stats if loop == "device" else engine.stats
     assert {s.active for s in stats} == {1, 2, 3}
-    _assert_first_tokens_follow_target(target, prompt, np.array(toks))
+    _assert_first_tokens_follow_target(sampling_target, prompt, np.array(toks))

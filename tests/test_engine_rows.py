@@ -9,9 +9,9 @@ import jax
 import numpy as np
 import pytest
 from _shared_once import count_compiles
-# target: test_engine's fixture (the same peaked tiny model)
-from test_engine import (V, _assert_first_tokens_follow_target, _assert_greedy, _drafter,
-                         _greedy_reference, _requests, _run_mixed, target)  # noqa: F401
+# target, sampling_target: test_engine's fixtures (the same tiny models)
+from test_engine import (V, _assert_first_tokens_follow_target, _assert_greedy, _drafter,  # noqa: F401
+                         _greedy_reference, _requests, _run_mixed, sampling_target, target)
 
 from specjax.buckets import SPSProfile
 from specjax.engine import Engine, EngineConfig, Request
@@ -147,15 +147,16 @@ _ROW_PROFILES = {1: SPSProfile((4, 8, 16), (1.0, 1.0, 1.0), draft_s=0.0),
 @pytest.mark.parametrize("policy,draft_s,by_rows", [("dspark", 0.0, None),
                                                     ("production", 0.4, None),
                                                     ("production", 0.4, _ROW_PROFILES)])
-def test_row_buckets_engine_is_lossless_at_temperature1(target, policy, draft_s, by_rows):
+def test_row_buckets_engine_is_lossless_at_temperature1(sampling_target, policy, draft_s,
+                                                        by_rows):
     """Many seeds of one prompt, arriving 0-3 per call into 4 slots (calls on 1, 2 and 4 rows),
     compete for the verification budget with the sampling DSpark drafter; the first three tokens
     follow the target's exact joint / marginal (chi-square, 1e-6 level). Also with a profile per
     row bucket, so that the lengths chosen move with the call's rows."""
-    d, p, f = _drafter("dspark", target)
+    d, p, f = _drafter("dspark", sampling_target)
     cfg = EngineConfig(num_slots=4, max_len=24, gamma=3, prefill_buckets=(2, 8), loop_steps=2,
                        row_buckets="auto", filters=False, scheduler=SchedulerConfig(policy))
-    engine = Engine(target, d, p, f, cfg)
+    engine = Engine(sampling_target, d, p, f, cfg)
     engine.warmup(profile=False)
     engine.set_sps(SPSProfile((4, 8, 16), (1.0, 0.9, 0.5), draft_s=draft_s), by_rows=by_rows)
     prompt, n = [3, 7, 1], 3000
@@ -174,7 +175,7 @@ def test_row_buckets_engine_is_lossless_at_temperature1(target, policy, draft_s,
     results = [engine.finished[i] for i in ids]
     assert sum(r.accepted for r in results) > 0.2 * n
     toks = np.array([r.tokens[:3] for r in results])
-    _assert_first_tokens_follow_target(target, prompt, toks)
+    _assert_first_tokens_follow_target(sampling_target, prompt, toks)
 
 
 def test_row_buckets_compile_nothing_after_warmup(target):
