@@ -1102,6 +1102,47 @@ def test_quoted_row_bucket_numbers_match_the_committed_results():
         assert quoted in flat, quoted
 
 
+def test_quoted_serving_rerun_matches_its_results():
+    """docs/SERVING.md's serving "Re-run on the current engine" (table and bullets), from
+    benchmarks/results/serving_rerun.json beside the committed serving.json."""
+    doc = open(os.path.join(ROOT, "docs", "SERVING.md")).read()
+    flat = " ".join(doc.split())
+    old, new = (json.load(open(os.path.join(ROOT, "benchmarks", "results", f"{n}.json")))
+                for n in ("serving", "serving_rerun"))
+    assert new["argv"][:-4] == old["argv"] and new["args"]["out"].endswith("serving_rerun.json")
+    assert "Intel" in new["machine"] and "2 cpus" in new["machine"]
+    assert "`--out benchmarks/results/serving_rerun.json --md runs/serving_rerun.md`" in flat
+
+    def cells(d, c):
+        p = d["closed_loop"][c]["policies"]
+        fixed = {k: v["aggregate_tok_s"] for k, v in p.items() if k.startswith("fixed")}
+        best = max(fixed, key=fixed.get)
+        agg = {k: v["aggregate_tok_s"] for k, v in p.items()}
+        return p, best, agg, agg["production"] / max(agg["none"], fixed[best])
+    ratios, none_up = {}, []
+    for c in new["closed_loop"]:
+        p, best, agg, r = cells(new, c)
+        _, _, agg_old, r_old = cells(old, c)
+        ratios[int(c)] = r
+        none_up.append(agg["none"] / agg_old["none"])
+        row = (f"| {c} | {agg['production']:.0f} | {agg['none']:.0f} | {best} {agg[best]:.0f} | "
+               f"{100 * p['production']['drafted_frac']:.0f} % | {r:.2f}x | {r_old:.2f}x | "
+               f"{none_up[-1]:.2f}x |")
+        assert row in doc, row
+    drops = [cells(old, str(c))[3] - ratios[c] for c in (1, 2, 4, 8)]
+    assert min(drops) > 0 and f"fell at C = 1-8 (by {min(drops):.2f}-{max(drops):.2f})" in flat
+    holds = [c for c, r in ratios.items() if r >= 0.95]
+    assert holds == [32] and f"holds at C = 32 only** ({ratios[32]:.2f}x)" in flat
+    assert f"(`none` {min(none_up):.2f}-{max(none_up):.2f}x its aggregate" in flat
+    one = new["closed_loop"]["1"]["policies"]
+    assert (f"fixed K = 7 beat `none` ({one['fixed7']['aggregate_tok_s']:.0f} against "
+            f"{one['none']['aggregate_tok_s']:.0f} tokens/s) while production drafted on "
+            f"{100 * one['production']['drafted_frac']:.0f} %") in flat
+    nones = [new["closed_loop"][c]["policies"]["none"]["aggregate_tok_s"] for c in ("8", "16", "32")]
+    assert nones[0] > nones[1] > nones[2]
+    assert f"({nones[0]:.0f} at C = 8, {nones[1]:.0f} at 16, {nones[2]:.0f} at 32)" in flat
+
+
 def test_quoted_row_profile_rerun_matches_its_results():
     """docs/SERVING.md's "Re-run on the current engine" (table and bullets), from
     benchmarks/results/row_profiles_rerun.json beside the two earlier runs."""
