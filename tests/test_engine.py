@@ -30,13 +30,19 @@ CFG = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers
 CRIT = lambda df: stats.chi2.isf(1e-6, df)  # noqa: E731
 
 
+def _scaled_target(scale: float):
+    """The tests' tiny model (seed 1) with its tied embedding scaled by ``scale``: random init
+    logits are nearly flat, and the scale sets how peaked the next-token distributions are."""
+    model = init_model(CFG, seed=1)
+    model.embed[...] = model.embed[...] * scale
+    return model
+
+
 @pytest.fixture(scope="module")
 def target():
-    """The greedy tests' target: random init logits are nearly flat, so the tied embedding is
-    scaled until each next token is nearly certain (no near-ties for argmax to flip on)."""
-    model = init_model(CFG, seed=1)
-    model.embed[...] = model.embed[...] * 25.0
-    return model
+    """The greedy tests' target: scaled until each next token is nearly certain (no near-ties
+    for argmax to flip on)."""
+    return _scaled_target(25.0)
 
 
 # The temperature-1 tests' target: the same weights with the embedding scaled by 5. After the
@@ -50,9 +56,7 @@ SAMPLING_SCALE = 5.0
 
 @pytest.fixture(scope="module")
 def sampling_target():
-    model = init_model(CFG, seed=1)
-    model.embed[...] = model.embed[...] * SAMPLING_SCALE
-    return model
+    return _scaled_target(SAMPLING_SCALE)
 
 
 def _drafter(kind, target):

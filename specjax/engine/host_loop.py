@@ -32,6 +32,7 @@ import numpy as np
 from specjax import scheduling
 from specjax.buckets import pick_bucket
 from specjax.drafters.base import DraftOutput
+from specjax.engine.device_loop import VERIFY_SALT
 from specjax.engine.requests import CONFIDENCE_POLICIES, StepStats
 from specjax.engine.steps import (DeviceState, draft_step, merge_rows, plain_decode_step,
                                   verify_step)
@@ -177,7 +178,7 @@ class HostLoopMixin:
         bucket = pick_bucket(self.buckets, n_tokens)
         schedule_s = time.perf_counter() - ts + budget_s
         sampling = self._sampling()
-        keys = self._slot_keys(2)
+        keys = self._slot_keys(VERIFY_SALT)
         self.state = DeviceState(self.state.cache, dstate_after, self.state.anchor)
         self.state, result = verify_step(
             self.graphdef, self.target_state, self.drafter, self.params, self.frozen, self.state,
@@ -221,7 +222,7 @@ class HostLoopMixin:
         s = self.config.num_slots
         active = np.array([live is not None for live in self.slots])
         self.state, tokens = plain_decode_step(self.graphdef, self.target_state, self.state,
-                                               active, self._slot_keys(2), self._sampling())
+                                               active, self._slot_keys(VERIFY_SALT), self._sampling())
         tokens = np.asarray(tokens)
         now = time.perf_counter()
         for i in np.flatnonzero(active):
