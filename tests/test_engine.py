@@ -49,8 +49,9 @@ def target():
 # tests' prompt [3, 7, 1] the first token carries 1.4 nats (most likely 0.69), the joint of the
 # first two 2.9 nats and the third token's marginal 2.4 nats: sampling at temperature 0.8 instead
 # of 1 would put the expected chi-square statistics of :func:`_assert_first_tokens_follow_target`
-# (3000 samples) at about 5x (joint) and 15x (marginal) their 1e-6 critical values. At the
-# greedy target's scale every token is nearly certain (under 1e-4 nats): no sampling bias shows.
+# (3000 samples) at about 7x (joint) and 15x (marginal) their 1e-6 critical values, 0.04x at the
+# greedy target's scale, where every token is nearly certain (under 1e-4 nats)
+# (test_the_temperature1_checks_would_see_a_tempered_sampler).
 SAMPLING_SCALE = 5.0
 
 
@@ -235,9 +236,9 @@ def _exact_first_tokens(target, prompt):
     return _EXACT[key]
 
 
-def _exact_first_tokens_uncached(target, prompt):
+def _exact_first_tokens_uncached(target, prompt, temperature: float = 1.0):
     gd, st = nnx.split(target)
-    fwd = jax.jit(lambda toks: nnx.merge(gd, st)(toks).logits[:, -1])
+    fwd = jax.jit(lambda toks: nnx.merge(gd, st)(toks).logits[:, -1] / temperature)
     p1 = np.asarray(jax.nn.softmax(fwd(jnp.asarray([prompt]))[0]), np.float64)
     ctx2 = jnp.asarray([prompt + [a] for a in range(V)])
     p2 = np.asarray(jax.nn.softmax(fwd(ctx2), axis=-1), np.float64)  # [t1, t2]
@@ -281,6 +282,39 @@ def _chi2(counts, probs):
     keep = e > 0
     c, e = c[keep], e[keep]
     return float(np.sum((c - e) ** 2 / e)), len(c) - 1
+
+
+def _expected_statistic(counts_probs, true_probs, n):
+    """The mean of :func:`_chi2`'s statistic for ``n`` samples drawn from ``true_probs`` and
+    tested against ``counts_probs`` (bins pooled as :func:`_chi2` pools them): df + the
+    noncentrality ``n Σ (q - p)² / p``. Returns ``(mean, df)``."""
+    p, q = np.ravel(counts_probs), np.ravel(true_probs)
+    small = p * n < 5
+    p = np.append(p[~small], p[small].sum())
+    q = np.append(q[~small], q[small].sum())
+    keep = p > 0
+    p, q = p[keep], q[keep]
+    df = len(p) - 1
+    return df + n * float(np.sum((q - p) ** 2 / p)), df
+
+
+def test_the_temperature1_checks_would_see_a_tempered_sampler(target, sampling_target):
+    """The power of :func:`_assert_first_tokens_follow_target` at the scheduler tests' 3000
+    samples: a sampler at temperature 0.8 instead of 1 puts the mean statistic at over 4x (the
+    first two tokens' joint) and over 10x (the third's marginal) the 1e-6 critical value on
+    ``sampling_target``; on the greedy tests' ``target`` it stays under it (no power there)."""
+    prompt, n = [3, 7, 1], 3000
+    for model, seen in ((sampling_target, True), (target, False)):
+        exact = _exact_first_tokens_uncached(model, prompt)
+        biased = _exact_first_tokens_uncached(model, prompt, temperature=0.8)
+        ratios = []
+        for p, q in zip(exact, biased):
+            mean, df = _expected_statistic(p, q, n)
+            ratios.append(mean / CRIT(df))
+        if seen:
+            assert ratios[0] > 4 and ratios[1] > 10, ratios
+        else:
+            assert max(ratios) < 1, ratios
 
 
 @pytest.mark.parametrize("policy,draft_s,loop,calibrate", [("dspark", 0.0, "device", False),
