@@ -152,7 +152,8 @@ def simulate(traces: Traces, config: SchedulerConfig, profile: SPSProfile, concu
         elif config.policy == "production":
             stale = np.where((hist_n >= 2)[:, None], hist[:, 0], prior[None])
             budget = scheduling.budget_search(stale, sps, cap, sps_d)
-            if budget == 0 and config.explore_every and since_draft + 1 >= config.explore_every:
+            if budget == 0 and config.explore_every and (not prior_seen or
+                                                         since_draft + 1 >= config.explore_every):
                 budget = scheduling.budget_search(stale, sps, cap)
             drew = budget > 0
             lengths = (scheduling.top_budget_admission(live, budget, cap) if drew

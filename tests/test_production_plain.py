@@ -113,10 +113,10 @@ def test_verification_writes_the_cache_alike_during_or_after_the_forward(target)
     assert not np.allclose(np.asarray(host.cache.k[:, 0, n0:n0 + 4]), 0)
 
 
-def _production(target, plain_s, draft_s):
+def _production(target, plain_s, draft_s, loop="device", explore_every=16):
     d, p, f = _drafter("dspark", target)
-    cfg = EngineConfig(num_slots=4, max_len=32, gamma=3, prefill_buckets=(8,), loop="device",
-                       scheduler=SchedulerConfig("production"))
+    cfg = EngineConfig(num_slots=4, max_len=32, gamma=3, prefill_buckets=(8,), loop=loop,
+                       scheduler=SchedulerConfig("production", explore_every=explore_every))
     eng = Engine(target, d, p, f, cfg)
     eng.warmup(profile=False)
     eng.set_sps(SPSProfile(tuple(eng.buckets), (1.0,) * len(eng.buckets), draft_s=draft_s,
@@ -149,10 +149,11 @@ def test_production_drafts_only_when_the_plain_step_is_slower(target, plain_s, d
 
 
 def test_production_exploration_backs_off_while_it_never_pays(target):
-    """With a plain step 1000x faster than any verification the budget search never drafts; the
-    exploring steps then come after 16, 32, 64, 128, 256, 256, ... steps without drafting (cumulative
-    16, 48, 112, 240, 496, ...), not every 16 steps. An exploring step that finds no room for a
-    draft (every request on its last token) is retried on the next step, hence the slack."""
+    """With a plain step 1000x faster than any verification the budget search never drafts; after
+    the fresh engine's first step (which drafts to see confidences) the exploring steps come after
+    16, 32, 64, 128, 256, 256, ... steps without drafting (cumulative 1, 17, 49, 113, 241, 497,
+    ...), not every 16 steps. An exploring step that finds no room for a draft (every request on
+    its last token) is retried on the next step, hence the slack."""
     from specjax.engine.device_loop import EXPLORE_BACKOFF
     eng = _production(target, 1e-3, 0.0)
     every = eng.config.scheduler.explore_every
@@ -164,7 +165,7 @@ def test_production_exploration_backs_off_while_it_never_pays(target):
     assert max(s.steps for s in eng.loop_stats) == eng.config.loop_steps
     steps = sum(s.steps for s in eng.loop_stats)
     draft_steps = sum(s.draft_steps for s in eng.loop_stats)
-    marks, t, gap = [], 0, every
+    marks, t, gap = [1], 1, every
     while t <= steps:
         t += gap
         marks.append(t)
@@ -173,6 +174,30 @@ def test_production_exploration_backs_off_while_it_never_pays(target):
     assert steps > 240, steps
     assert due(steps - 20) <= draft_steps <= due(steps), (draft_steps, steps, marks)
     assert draft_steps < steps // every - 5  # far fewer than a fixed interval would take
+
+
+@pytest.mark.parametrize("loop", ["device", "host"])
+def test_a_fresh_production_engine_drafts_once_to_see_confidences(target, loop):
+    """Before any drafts were drawn the stale confidences are a 0.5 guess; a fresh engine's first
+    step drafts to measure them instead of decoding ``explore_every`` plain steps on the guess.
+    Then, with drafting 1000x dearer than a verification (on the device loop, also a plain step
+    1000x faster), no step drafts again within two 12-token requests (the next exploration is
+    due after 64 plain steps): only the first step of the engine's life is such a step. Greedy
+    output equals plain greedy decoding."""
+    eng = _production(target, 1e-3, 1e3, loop, explore_every=64)
+    req = Request(prompt=[3, 1, 4, 1, 5], max_new_tokens=12)
+    ref = _greedy_reference(target, req)[0]
+
+    def drafting_flags():
+        if loop == "host":
+            return [s.drafted for s in eng.stats]
+        return [s.draft_steps for s in eng.loop_stats]
+
+    assert eng.generate([req])[0].tokens == ref
+    first = drafting_flags()
+    assert first[0] == 1 and sum(first) == 1, first  # the first step (device: first call) only
+    assert eng.generate([req])[0].tokens == ref
+    assert sum(drafting_flags()) == 1, drafting_flags()
 
 
 @pytest.mark.parametrize("policy", ["dspark", "production"])

@@ -95,7 +95,8 @@ class LoopState(NamedTuple):
     since_draft: int32 scalar, steps since the last drafting step (production's exploration).
     explore_gap: int32 scalar, steps without drafting after which production drafts anyway: starts
       at ``spec.explore_every``, doubles after each such exploring step (up to
-      ``EXPLORE_BACKOFF`` times it) and resets when the budget search itself drafts.
+      ``EXPLORE_BACKOFF`` times it) and resets when the budget search itself drafts. Until
+      ``prior_seen``, every step explores (without doubling the gap).
     draws: int32 scalar, drafting calls so far (keys the drafting noise).
     t: int32 scalar, steps this call. finished: bool scalar, a slot finished this call.
     """
@@ -313,15 +314,18 @@ def run_loop(target_graphdef: nnx.GraphDef, target_state, drafter, params, froze
         stale = _calibrated(spec, ls, stale)
         budget = dp.budget_search(stale, sps, cap, ls.active, sps_draft, sps_plain)
         voluntary = budget > 0
+        # Before any confidence was seen, the stale ones are a 0.5 guess: draft once to measure
+        # them rather than run explore_every plain steps on a guess (a fresh engine's first step).
+        cold = ~ls.prior_seen
         explore = ~voluntary & (spec.explore_every > 0) & \
-            (ls.since_draft + 1 >= ls.explore_gap)
+            ((ls.since_draft + 1 >= ls.explore_gap) | cold)
         # an exploring step drafts whatever the plain step's rate: the best budget > 0
         budget = jnp.where(explore, dp.budget_search(stale, sps, cap, ls.active, sps_draft,
                                                      jnp.float32(1e-30)), budget)
         drew = budget > 0
         gap = jnp.where(voluntary, spec.explore_every,
-                        jnp.where(drew, jnp.minimum(2 * ls.explore_gap,
-                                                    EXPLORE_BACKOFF * spec.explore_every),
+                        jnp.where(drew & ~cold, jnp.minimum(2 * ls.explore_gap,
+                                                            EXPLORE_BACKOFF * spec.explore_every),
                                   ls.explore_gap))
         return cap, budget, drew, gap
 

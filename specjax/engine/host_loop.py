@@ -78,14 +78,17 @@ class HostLoopMixin:
         """The production policy's draft-token budget for the next verification, from each
         running request's confidences of two steps earlier (never from the drafts it will
         admit). 0 means the step does not draft at all (scored without the drafting cost);
-        every ``explore_every``-th step without drafting drafts anyway (a step count only)."""
+        every ``explore_every``-th step without drafting drafts anyway (a step count only), and
+        so does every step before the first confidences were seen."""
         rows, cap = self._rows_and_caps()
         if not len(rows):
             return 0
         stale = np.stack([self._stale_conf(i) for i in rows])
         budget = scheduling.budget_search(stale, self.sps_table, cap, self.sps_table_draft)
         every = self.config.scheduler.explore_every
-        if budget == 0 and every and self._steps_without_draft + 1 >= every:
+        # before any confidence was seen the stale ones are the 0.5 guess: draft once to measure
+        if budget == 0 and every and (not self._conf_prior_seen
+                                      or self._steps_without_draft + 1 >= every):
             budget = scheduling.budget_search(stale, self.sps_table, cap)
         return budget
 

@@ -79,7 +79,8 @@ def production_loop_profile(eng, *, reps: int = 3, key: str = "",
             dev=dev, active=np.arange(s) < active_rows,
             remaining=np.full(s, 1 << 20, np.int32),
             t=np.int32(spec.max_steps - n),  # run n steps
-            explore_gap=np.int32(1 << 30))  # never explore
+            explore_gap=np.int32(1 << 30),  # never explore ...
+            prior_seen=np.bool_(True))  # ... not even the cold start's first step
         t0 = time.perf_counter()
         args = (eng.graphdef, eng.target_state, eng.drafter, eng.params, eng.frozen, eng._put(ls))
         # the argument types the engine's calls pass (device_driver._run_loop: a committed int32
