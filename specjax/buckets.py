@@ -197,12 +197,15 @@ class SPSProfile:
 def profile_sps(run_bucket: Callable[[int], None], buckets: Sequence[int], *, key: str = "",
                 reps: int = 5, warmup: int = 1, cache_path: Optional[str] = None,
                 clock: Callable[[], float] = time.perf_counter,
-                run_draft: Optional[Callable[[], None]] = None) -> SPSProfile:
+                run_draft: Optional[Callable[[], None]] = None,
+                run_plain: Optional[Callable[[], None]] = None) -> SPSProfile:
     """Measures SPS for each bucket, or loads it from ``cache_path`` when saved with the same key.
 
     Args:
       run_bucket: runs one verification step of the given bucket size and blocks until done.
       run_draft: optional: runs one drafting step and blocks; its median time is ``draft_s``.
+      run_plain: optional: runs one plain decode step and blocks; its median time is
+        ``plain_s``.
       buckets: token buckets.
       key: identifies device and model; a saved profile with another key is re-measured.
       reps: timed repetitions per bucket (the median is used).
@@ -226,7 +229,8 @@ def profile_sps(run_bucket: Callable[[int], None], buckets: Sequence[int], *, ke
 
     sps = [1.0 / max(median_seconds(lambda: run_bucket(b)), 1e-12) for b in buckets]
     draft_s = 0.0 if run_draft is None else max(median_seconds(run_draft), 0.0)
-    profile = SPSProfile(tuple(buckets), tuple(sps), key, draft_s)
+    plain_s = 0.0 if run_plain is None else max(median_seconds(run_plain), 1e-12)
+    profile = SPSProfile(tuple(buckets), tuple(sps), key, draft_s, plain_s)
     if cache_path:
         profile.save(cache_path)
     return profile

@@ -70,3 +70,8 @@ def test_sps_profile_step_table_and_cache(tmp_path):
     assert with_draft.draft_s == 0.5 and len(drafts) == 4
     np.testing.assert_allclose(with_draft.table_with_draft(), 1 / (0.5 + 0.5))
     assert B.SPSProfile.load(str(tmp_path / "sps_d.json")) == with_draft
+    # ... and the plain decode step (production's steps at budget 0)
+    plains = []
+    with_plain = B.profile_sps(run_bucket, [4, 8], key="p", reps=3, warmup=1,
+                               clock=lambda: next(fake_time), run_plain=lambda: plains.append(1))
+    assert with_plain.plain_s == 0.5 and with_plain.draft_s == 0 and len(plains) == 4

@@ -124,28 +124,36 @@ def _production(target, plain_s, draft_s, loop="device", explore_every=16):
     return eng
 
 
+@pytest.mark.parametrize("loop", ["device", "host"])
 @pytest.mark.parametrize("plain_s,draft_s,drafts_every_step", [(1e-3, 0.0, False),
                                                                 (1e3, 0.0, True)])
 def test_production_drafts_only_when_the_plain_step_is_slower(target, plain_s, draft_s,
-                                                              drafts_every_step):
+                                                              drafts_every_step, loop):
     """A plain step 1000x faster than a verification: production drafts only to explore (once
     per ``explore_every`` steps); 1000x slower: it drafts on every step where a draft fits (not
     where every active request has one token left: at most one such step per request). Greedy
-    output equals plain greedy decoding either way."""
-    eng = _production(target, plain_s, draft_s)
+    output equals plain greedy decoding either way. Both loops run the plain step at budget 0
+    and score it with ``plain_s``; on the host loop its steps' stats say which kind ran."""
+    eng = _production(target, plain_s, draft_s, loop)
     rng = np.random.default_rng(0)
     reqs = [Request(prompt=rng.integers(0, CFG.vocab_size, size=5).tolist(), max_new_tokens=12)
             for _ in range(6)]
     results = eng.generate(reqs)
     for req, res in zip(reqs, results):
         assert res.tokens == _greedy_reference(target, req)[0]
-    steps = sum(s.steps for s in eng.loop_stats)
-    draft_steps = sum(s.draft_steps for s in eng.loop_stats)
+    if loop == "host":
+        steps, draft_steps, calls = len(eng.stats), sum(s.drafted for s in eng.stats), 0
+        plain = [s for s in eng.stats if not s.drafted]
+        assert all(s.bucket == eng.config.num_slots and s.drafts_verified == 0 for s in plain)
+    else:
+        steps = sum(s.steps for s in eng.loop_stats)
+        draft_steps = sum(s.draft_steps for s in eng.loop_stats)
+        calls = len(eng.loop_stats)
     if drafts_every_step:
         assert steps - len(reqs) <= draft_steps <= steps, (draft_steps, steps)
     else:
         every = eng.config.scheduler.explore_every
-        assert 0 < draft_steps <= steps // every + len(eng.loop_stats), (draft_steps, steps)
+        assert 0 < draft_steps <= steps // every + 1 + calls, (draft_steps, steps)
 
 
 def test_production_exploration_backs_off_while_it_never_pays(target):

@@ -37,10 +37,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.drafters.base import DraftOutput, Observation, Sampling
+from specjax.drafters.base import DraftOutput, Sampling
 from specjax.engine import device_policies as dp
 from specjax.engine import online_calibration as oc
-from specjax.engine.steps import DeviceState, plain_forward, verify_finish, verify_forward
+from specjax.engine.steps import (DeviceState, plain_commit, plain_forward, verify_finish,
+                                  verify_forward)
 
 VERIFY_SALT = 2  # key salt of verification noise (prefill's first token uses 1)
 # Production's exploration interval grows up to this factor while exploring never pays: at high
@@ -173,15 +174,13 @@ def plain_step(target_graphdef, target_state, ls: LoopState, sampling, keys, dra
     only when some active slot samples). Returns ``(DeviceState, tokens int32 [S, 1])``.
     """
     dev = ls.dev
-    hidden_layers = () if drafter is None else drafter.hidden_layers
-    res, tok, anchor = plain_forward(target_graphdef, target_state, dev, ls.active, sampling,
-                                     keys, hidden_layers)
-    dstate = dev.drafter_state
     if drafter is not None:
-        obs = Observation(tokens=dev.anchor[:, None], num_valid=ls.active.astype(jnp.int32),
-                          start=dev.cache.lengths, next_token=anchor, hidden=res.hidden)
-        dstate = drafter.commit(params, frozen, dstate, obs)
-    return DeviceState(res.cache, dstate, anchor), tok[:, None]
+        dev, tok = plain_commit(target_graphdef, target_state, dev, ls.active, sampling, keys,
+                                drafter, params, frozen)
+        return dev, tok[:, None]
+    res, tok, anchor = plain_forward(target_graphdef, target_state, dev, ls.active, sampling,
+                                     keys)
+    return DeviceState(res.cache, dev.drafter_state, anchor), tok[:, None]
 
 
 def _run_if(pred, fn, operand):

@@ -105,7 +105,6 @@ class Engine(HostLoopMixin, DeviceLoopMixin, WarmupMixin):
         self._ids = itertools.count()
         self._draws = 0
         self._key = jax.random.key(config.seed)
-        self._empty_draft = None
         self._no_draft_rows: Optional[np.ndarray] = None  # bool [S]: rows forced to ℓ = 0
         self._conf_prior = np.full(config.gamma, 0.5)  # production: confidences of new requests
         self._conf_prior_seen = False

@@ -16,7 +16,9 @@ emits, finishes and admits. Rows admitted in between keep their prefilled drafte
 verify no drafts on their first step (ℓ = 0), which decides nothing from a draft.
 
 Policy "none" runs a dense ``[S, 1]`` decode step of the target instead (no drafting, no
-verification; :func:`~specjax.engine.steps.plain_decode_step`).
+verification; :func:`~specjax.engine.steps.plain_decode_step`), and so does production at a budget
+of 0, committing the drafter as a verification of no drafts would
+(:func:`~specjax.engine.steps.plain_commit_step`, the device loop's plain step).
 
 The policies are the numpy references of :mod:`specjax.scheduling`; every step records
 :class:`~specjax.engine.requests.StepStats` (host scheduling cost, waits, bucket).
@@ -26,15 +28,14 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-import jax
 import numpy as np
 
 from specjax import scheduling
 from specjax.buckets import pick_bucket
-from specjax.drafters.base import DraftOutput
 from specjax.engine.device_loop import VERIFY_SALT
 from specjax.engine.requests import CONFIDENCE_POLICIES, StepStats
-from specjax.engine.steps import (DeviceState, draft_step, merge_rows, plain_decode_step,
+from specjax.engine.steps import (DeviceState, draft_step, merge_rows, plain_commit_step,
+                                  plain_decode_step,
                                   verify_step)
 
 
@@ -46,17 +47,6 @@ class HostLoopMixin:
         return draft_step(self.drafter, self.params, self.frozen, self.state.drafter_state,
                           self._next_key(), self._sampling(), gamma=g,
                           argmax=self.config.method == "target_only")
-
-    def _no_draft(self) -> DraftOutput:
-        """Placeholder drafts for a step that drafts nothing (production at budget 0; never
-        verified: ℓ = 0)."""
-        if self._empty_draft is None:
-            s, g, v = self.config.num_slots, self.config.gamma, self.model_config.vocab_size
-            # device_put of host zeros: nothing to compile after warm-up (jnp.zeros would)
-            self._empty_draft = DraftOutput(jax.device_put(np.zeros((s, g), np.int32), self._device),
-                                            jax.device_put(np.zeros((s, g, v), np.float32),
-                                                           self._device), None)
-        return self._empty_draft
 
     def _host_confidences(self, draft) -> Optional[np.ndarray]:
         """The drafts' confidences ``[S, γ]`` on the host when the policy uses them (this waits
@@ -84,7 +74,8 @@ class HostLoopMixin:
         if not len(rows):
             return 0
         stale = np.stack([self._stale_conf(i) for i in rows])
-        budget = scheduling.budget_search(stale, self.sps_table, cap, self.sps_table_draft)
+        plain = 1.0 / self.sps.plain_s if self.sps is not None and self.sps.plain_s > 0 else 0.0
+        budget = scheduling.budget_search(stale, self.sps_table, cap, self.sps_table_draft, plain)
         every = self.config.scheduler.explore_every
         # before any confidence was seen the stale ones are the 0.5 guess: draft once to measure
         if budget == 0 and every and (not self._conf_prior_seen
@@ -151,13 +142,12 @@ class HostLoopMixin:
                 budget = self._production_budget()
             self._next_budget = None
             budget_s = time.perf_counter() - tb
-        drafted = budget != 0
-        if not drafted:
-            # Production at budget 0: a verification of no drafts (its SPS profile scores it
-            # so): no drafting cost at all (a draft pre-dispatched at the last step is dropped;
-            # the drafter state is the one before it).
-            self._pending_draft = (self._no_draft(), self.state.drafter_state)
-        elif self._pending_draft is None or self.num_active == len(admitted):
+        if budget == 0:
+            # Production at budget 0: a plain decode step, no drafting cost at all (a draft
+            # pre-dispatched at the last step is dropped; the drafter state is the one before it).
+            self._pending_draft = None
+            return self._plain_step(t0, commit=True, schedule_s=budget_s)
+        if self._pending_draft is None or self.num_active == len(admitted):
             self._pending_draft = self._draft()  # (no earlier row would use the pre-dispatched)
         elif admitted:
             # The drafts pre-dispatched at the last step (overlap) predate these admissions. The
@@ -174,7 +164,7 @@ class HostLoopMixin:
         draft, dstate_after = self._pending_draft
         self._pending_draft = None
         tw = time.perf_counter()
-        conf = self._host_confidences(draft) if drafted else None  # device time (drafting)
+        conf = self._host_confidences(draft)  # device time (drafting)
         ts = time.perf_counter()
         num_draft = self._schedule(conf, budget)
         n_tokens = int(np.sum(num_draft[num_draft >= 0] + 1))
@@ -188,18 +178,8 @@ class HostLoopMixin:
             draft.tokens, draft.probs, num_draft, keys, sampling, bucket=bucket,
             gamma=self.config.gamma, method=self.config.method,
             verify_impl=self.verify_impl)
-        self._steps_without_draft = 0 if drafted else self._steps_without_draft + 1
-        overlap_s = 0.0
-        if self.config.overlap:
-            tb = time.perf_counter()
-            # production: pre-dispatch only if the next step (same rows) will want drafts
-            want = True
-            if policy == "production":
-                self._next_budget = self._production_budget()
-                want = self._next_budget > 0
-            overlap_s = time.perf_counter() - tb  # host work while the device verifies
-            if want:
-                self._pending_draft = self._draft()  # queued behind verification on the device
+        self._steps_without_draft = 0
+        overlap_s = self._predispatch() if self.config.overlap else 0.0
         tokens = np.asarray(result.tokens)
         accepted = np.asarray(result.num_accepted)
         now = time.perf_counter()
@@ -213,19 +193,45 @@ class HostLoopMixin:
                           drafts_verified=int(np.sum(np.maximum(num_draft, 0))),
                           accepted=int(np.sum(accepted)), schedule_s=schedule_s,
                           step_s=time.perf_counter() - t0, draft_wait_s=ts - tw,
-                          drafted=drafted, schedule_overlap_s=overlap_s)
+                          drafted=True, schedule_overlap_s=overlap_s)
         self.stats.append(stats)
         return stats
 
-    def _plain_step(self, t0: float) -> StepStats:
-        """Policy "none": one dense decode step of the target for every active slot, without the
-        drafter or the verifier (the verification of no drafts it replaces costs 1.3-1.5x as
-        much on CPU); the token is drawn with the key the verification's bonus token would use.
-        Its stats count the step's ``S`` computed rows as its bucket."""
+    def _predispatch(self) -> float:
+        """Overlap: dispatches the next step's drafting behind this step's device work (production:
+        only if the next step's budget, searched now over the same rows, is > 0). Returns the
+        host seconds spent here while the device works."""
+        tb = time.perf_counter()
+        want = True
+        if self.config.scheduler.policy == "production":
+            self._next_budget = self._production_budget()
+            want = self._next_budget > 0
+        overlap_s = time.perf_counter() - tb
+        if want:
+            self._pending_draft = self._draft()  # queued behind the step on the device
+        return overlap_s
+
+    def _plain_step(self, t0: float, *, commit: bool = False,
+                    schedule_s: float = 0.0) -> StepStats:
+        """One dense decode step of the target for every active slot, without drafts or the
+        verifier (the verification of no drafts it replaces costs 1.3-1.5x as much on CPU); the
+        token is drawn with the key the verification's bonus token would use. Policy "none":
+        the drafter is left alone. ``commit`` (production at budget 0): the drafter's state is
+        committed as after a verification of no drafts. Its stats count the step's ``S``
+        computed rows as its bucket."""
         s = self.config.num_slots
         active = np.array([live is not None for live in self.slots])
-        self.state, tokens = plain_decode_step(self.graphdef, self.target_state, self.state,
-                                               active, self._slot_keys(VERIFY_SALT), self._sampling())
+        keys, sampling = self._slot_keys(VERIFY_SALT), self._sampling()
+        overlap_s = 0.0
+        if commit:
+            self.state, tokens = plain_commit_step(self.graphdef, self.target_state, self.drafter,
+                                                   self.params, self.frozen, self.state, active,
+                                                   keys, sampling)
+            self._steps_without_draft += 1
+            overlap_s = self._predispatch() if self.config.overlap else 0.0
+        else:
+            self.state, tokens = plain_decode_step(self.graphdef, self.target_state, self.state,
+                                                   active, keys, sampling)
         tokens = np.asarray(tokens)
         now = time.perf_counter()
         for i in np.flatnonzero(active):
@@ -233,6 +239,7 @@ class HostLoopMixin:
             self._emit(i, [int(tokens[i])], now)
         n = int(active.sum())
         stats = StepStats(active=n, bucket=s, tokens=n, drafts_verified=0, accepted=0,
-                          schedule_s=0.0, step_s=time.perf_counter() - t0, drafted=False)
+                          schedule_s=schedule_s, step_s=time.perf_counter() - t0, drafted=False,
+                          schedule_overlap_s=overlap_s)
         self.stats.append(stats)
         return stats

@@ -276,6 +276,30 @@ def plain_forward(target_graphdef: nnx.GraphDef, target_state, state: DeviceStat
     return res, tok, jnp.where(active, tok, state.anchor)
 
 
+def plain_commit(target_graphdef: nnx.GraphDef, target_state, state: DeviceState, active,
+                 sampling: Sampling, keys, drafter, params, frozen):
+    """:func:`plain_forward`, then the drafter's state committed as after a verification of no
+    drafts (the anchor and the target's hidden states at it): production's steps that do not
+    draft. Returns ``(DeviceState, tokens int32 [S])``."""
+    res, tok, anchor = plain_forward(target_graphdef, target_state, state, active, sampling, keys,
+                                     drafter.hidden_layers)
+    obs = Observation(tokens=state.anchor[:, None], num_valid=active.astype(jnp.int32),
+                      start=state.cache.lengths, next_token=anchor, hidden=res.hidden)
+    dstate = drafter.commit(params, frozen, state.drafter_state, obs)
+    return DeviceState(res.cache, dstate, anchor), tok
+
+
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter"),
+                   donate_argnames=("state",))
+def plain_commit_step(target_graphdef: nnx.GraphDef, target_state, drafter, params, frozen,
+                      state: DeviceState, active, keys, sampling: Sampling):
+    """The host loop's production step at budget 0: :func:`plain_commit` (the device loop runs
+    the same function). ``active`` bool ``[S]``, ``keys`` ``[S]``. Returns ``(DeviceState,
+    tokens int32 [S])``."""
+    return plain_commit(target_graphdef, target_state, state, active, sampling, keys, drafter,
+                        params, frozen)
+
+
 @functools.partial(jax.jit, static_argnames=("target_graphdef",), donate_argnames=("state",))
 def plain_decode_step(target_graphdef: nnx.GraphDef, target_state, state: DeviceState, active,
                       keys, sampling: Sampling):

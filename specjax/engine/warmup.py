@@ -23,7 +23,8 @@ from specjax.buckets import SPSProfile, profile_sps
 from specjax.engine.loop_profile import production_loop_profile
 from specjax.engine.loop_rows import prefill_rows
 from specjax.engine.step_costs import default_context, device_loop_profile
-from specjax.engine.steps import merge_rows, plain_decode_step, prefill_step, verify_step
+from specjax.engine.steps import (merge_rows, plain_commit_step, plain_decode_step, prefill_step,
+                                  verify_step)
 
 
 def row_cache_path(path: Optional[str], rows: int) -> Optional[str]:
@@ -147,11 +148,21 @@ class WarmupMixin:
         stages.append(("drafting step", draft))
         stages += [(f"verification bucket {b}", functools.partial(run_bucket, b))
                    for b in self.buckets]
+        def plain():  # production's steps at budget 0 (host_loop._plain_step)
+            self.state, tok = plain_commit_step(self.graphdef, self.target_state, self.drafter,
+                                                self.params, self.frozen, self.state,
+                                                np.zeros(s, bool), keys, sampling)
+            jax.block_until_ready(tok)
+
+        run_plain = plain if policy == "production" else None
+        if run_plain is not None:
+            stages.append(("plain step", run_plain))
+            key += "/host-plain"  # profiles saved without plain_s are measured again
         if profile:
             stages.append(("SPS profile", lambda: self.set_sps(profile_sps(
                 run_bucket, self.buckets, key=key, reps=self.config.profile_reps, warmup=0,
                 cache_path=self.config.sps_cache,
-                run_draft=lambda: jax.block_until_ready(self._draft())))))
+                run_draft=lambda: jax.block_until_ready(self._draft()), run_plain=run_plain))))
         return stages
 
     def _cached_profile(self, key: str, measure, path: Optional[str]) -> SPSProfile:
