@@ -35,8 +35,7 @@ from specjax.buckets import pick_bucket
 from specjax.engine.device_loop import VERIFY_SALT
 from specjax.engine.requests import CONFIDENCE_POLICIES, StepStats
 from specjax.engine.steps import (DeviceState, draft_step, merge_rows, plain_commit_step,
-                                  plain_decode_step,
-                                  verify_step)
+                                  plain_decode_step, verify_step)
 
 
 class HostLoopMixin:
