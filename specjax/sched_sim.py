@@ -154,7 +154,7 @@ def simulate(traces: Traces, config: SchedulerConfig, profile: SPSProfile, concu
             budget = scheduling.budget_search(stale, sps, cap, sps_d)
             if budget == 0 and config.explore_every and (not prior_seen or
                                                          since_draft + 1 >= config.explore_every):
-                budget = scheduling.budget_search(stale, sps, cap)
+                budget = scheduling.budget_search(stale, sps, cap, sps_d, plain_sps=1e-30)
             drew = budget > 0
             lengths = (scheduling.top_budget_admission(live, budget, cap) if drew
                        else np.zeros(c, np.int64))

@@ -222,11 +222,11 @@ class SchedulerConfig:
 
     policy: one of POLICIES. k: draft length for "fixed". threshold: for "threshold".
     explore_every: "production" only: when its budget search says not to draft, still draft at
-      least once every this many steps (budget searched without the drafting cost), so that the
-      stale confidences the search runs on stay fresh and it can turn drafting back on when the
-      load falls. A fixed step count: it never looks at a draft. Before any confidences were
-      seen (an engine's first step) it drafts too: the stale confidences are a 0.5 guess until
-      then. 0 disables both.
+      least once every this many steps (the best budget > 0, whatever the plain step's rate),
+      so that the stale confidences the search runs on stay fresh and it can turn drafting back
+      on when the load falls. A fixed step count: it never looks at a draft. Before any
+      confidences were seen (an engine's first step) it drafts too: the stale confidences are a
+      0.5 guess until then. 0 disables both.
     """
 
     policy: str = "dspark"

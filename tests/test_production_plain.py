@@ -261,3 +261,31 @@ def test_profiled_steps_are_not_folded_or_dead_code(target):
         looped = flops(loop_program(fn, 4).lower(carries[name]).compile())
         assert alone > 1e4, (name, alone)  # a forward of the test model, not a no-op
         assert looped >= 0.5 * alone, (name, looped, alone)
+
+
+@pytest.mark.parametrize("loop", ["device", "host"])
+def test_an_exploring_step_drafts_across_a_bucket_cliff(target, loop):
+    """Exploration must draft even where the verification profile alone never favours drafts: 4
+    busy slots fill bucket 4 with their anchors, and any draft moves the step to bucket 8, 100x
+    slower. The budget search then never drafts (not even without the drafting cost), but every
+    ``explore_every`` steps without drafting an exploring step still drafts, on either loop, so
+    the stale confidences can turn drafting back on."""
+    d, p, f = _drafter("dspark", target)
+    cfg = EngineConfig(num_slots=4, max_len=48, gamma=3, prefill_buckets=(8,), loop=loop,
+                       scheduler=SchedulerConfig("production", explore_every=4))
+    eng = Engine(target, d, p, f, cfg)
+    eng.warmup(profile=False)
+    assert eng.buckets == [4, 8, 16]
+    eng.set_sps(SPSProfile((4, 8, 16), (1.0, 0.01, 0.01), plain_s=1.0))
+    for batch in range(2):  # two rounds of 4 requests that run together
+        reqs = [Request(prompt=[3, 1, 4, 4 * batch + i], max_new_tokens=16) for i in range(4)]
+        for req, res in zip(reqs, eng.generate(reqs)):
+            assert res.tokens == _greedy_reference(target, req)[0]
+    if loop == "host":
+        steps, draft_steps = len(eng.stats), sum(s.drafted for s in eng.stats)
+    else:
+        steps = sum(s.steps for s in eng.loop_stats)
+        draft_steps = sum(s.draft_steps for s in eng.loop_stats)
+    # the first step, then one in 4 (the device loop backs off: after 4, then 8 more steps)
+    assert steps >= 20 and draft_steps >= 3, (draft_steps, steps)
+    assert draft_steps <= 1 + steps // 4, (draft_steps, steps)

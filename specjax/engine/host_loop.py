@@ -79,7 +79,9 @@ class HostLoopMixin:
         # before any confidence was seen the stale ones are the 0.5 guess: draft once to measure
         if budget == 0 and every and (not self._conf_prior_seen
                                       or self._steps_without_draft + 1 >= every):
-            budget = scheduling.budget_search(stale, self.sps_table, cap)
+            # an exploring step drafts whatever the plain step's rate: the best budget > 0
+            budget = scheduling.budget_search(stale, self.sps_table, cap, self.sps_table_draft,
+                                              plain_sps=1e-30)
         return budget
 
     def _schedule(self, conf_all: Optional[np.ndarray], budget: Optional[int] = None) -> np.ndarray:
