@@ -283,6 +283,13 @@ def test_loop_profile_self_times_take_nested_events_off_their_parent():
      and r["steps"] > 0 and "specjax/models/transformer.py"
      in {x["source"].split(":")[0] for x in r["rows"]}
      and not any(x["source"].startswith("specjax/drafters/") for x in r["rows"])),
+    # one request at a time, every step drafting: both temperatures, lags 1 and 2 with pairs,
+    # correlations in [-1, 1] and non-negative errors
+    ("benchmarks.confidence_staleness", [], lambda r: [c["temperature"] for c in r["cells"]]
+     == [0.0, 1.0] and all(c["requests"] == 2 and c["steps"] > 2 for c in r["cells"])
+     and [x["lag"] for x in r["cells"][0]["lags"]] == [1, 2]
+     and all(-1 <= x["corr"] <= 1 and min(x["mse_stale"], x["mse_mean"], x["mse_shrunk"]) >= 0
+             for c in r["cells"] for x in c["lags"])),
     # the MTP draft step now and as it was emit the same tokens; each cut counts fewer FLOPs
     ("benchmarks.mtp_window", [], lambda r: [d["window"] for d in r["drafters"].values()]
      == [4, 4, 6] and r["drafters"]["speculative"]["propose_flops"]
@@ -318,5 +325,6 @@ def test_benchmark_quick(module, extra, check, tmp_path, tmp_path_factory):
     # (prefill, the host loop's steps for overlap on and off), which then load instead of compile
     run_module(hermetic_env(tmp_path, compile_cache(tmp_path_factory)), module, *args)
     assert check(json.load(open(out)))
-    if module in ("benchmarks.row_buckets", "benchmarks.row_profiles"):
+    if module in ("benchmarks.row_buckets", "benchmarks.row_profiles",
+                  "benchmarks.confidence_staleness"):
         assert (tmp_path / "out.png").stat().st_size > 0

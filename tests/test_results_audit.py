@@ -1306,3 +1306,32 @@ def test_quoted_rollout_row_bucket_numbers_match_the_committed_results():
     assert f"({span([r['decoders']['spec_rows']['speedup'] for r in runs])} with row buckets)" \
         in flat
     assert "τ 2.47 without row buckets" in flat
+
+
+def test_quoted_confidence_staleness_matches_its_results():
+    """docs/SERVING.md's "How fast the confidences go stale", from
+    benchmarks/results/confidence_staleness.json."""
+    flat = " ".join(open(os.path.join(ROOT, "docs", "SERVING.md")).read().split())
+    res = json.load(open(os.path.join(ROOT, "benchmarks", "results",
+                                      "confidence_staleness.json")))
+    a = res["args"]
+    assert (a["target"], a["drafter"], a["prompts"], a["new_tokens"], res["gamma"]) == \
+        ("runs/qs_target", "runs/qs_dspark_markov", 16, 96, 7)
+    assert a["domains"] == ["math", "code", "prose"] and a["temperatures"] == [0.0, 1.0]
+    assert ("python -m benchmarks.confidence_staleness --target runs/qs_target --drafter "
+            "runs/qs_dspark_markov") in flat
+    lag = [{r["lag"]: r for r in c["lags"]} for c in res["cells"]]
+
+    def pair(k, key, digits=2):
+        return " / ".join(f"{x[k][key]:.{digits}f}" for x in lag)
+    assert f"correlation {pair(1, 'corr')} at lag 1" in flat
+    assert f"mean squared error {pair(1, 'mse_stale')} against {pair(1, 'mse_mean')}" in flat
+    assert f"({pair(8, 'mse_stale')} against {pair(8, 'mse_mean')})" in flat
+    assert f"far worse ({pair(16, 'mse_stale')} against {pair(16, 'mse_mean')})" in flat
+    for x in lag:  # the stale vector loses to the mean by lag 8, the shrunk one wins up to it
+        assert x[1]["mse_stale"] < x[1]["mse_mean"] and x[8]["mse_stale"] > x[8]["mse_mean"]
+        assert all(x[k]["mse_shrunk"] < min(x[k]["mse_stale"], x[k]["mse_mean"])
+                   for k in (1, 2, 4, 8))
+    ranges = " / ".join(f"{min(x[k]['mse_shrunk'] for k in (1, 2, 4, 8)):.2f}-"
+                        f"{max(x[k]['mse_shrunk'] for k in (1, 2, 4, 8)):.2f}" for x in lag)
+    assert f"up to lag 8 ({ranges})" in flat

@@ -1,0 +1,152 @@
+"""How fast a request's drafted confidences go stale: the production policy's budget input.
+
+The production policy (docs/SERVING.md) searches its draft budget on each request's *latest
+drafted* confidences. While it chooses plain steps it draws no new ones, so after ``k`` plain
+steps it reads a vector ``k + 1`` steps old (up to ``explore_every`` = 16, or more on the device
+loop's backed-off exploration). This measures how well such a vector predicts the one the request
+would draft now.
+
+One request at a time (C = 1) on the host loop with the "threshold" policy at threshold 0 (every
+step drafts and verifies all γ drafts, so every step's confidences exist) serves held-out prompts
+of each domain; per step it records ``S_t = Σ_j Π_{i≤j} c_{t,i}``, the expected number of
+accepted drafts the confidences state (the quantity the budget search weighs). Per lag ``k``,
+over all pairs ``(S_t, S_{t+k})`` of one request:
+
+* ``corr``: their correlation;
+* ``mse_stale``: mean squared error of predicting ``S_{t+k}`` by ``S_t`` (what production does);
+* ``mse_mean``: by the mean of all steps' ``S`` (a running prior; in-sample, so slightly
+  flattered);
+* ``mse_shrunk``: by ``mean + corr · (S_t − mean)`` (the stale value shrunk towards the mean by
+  the lag's correlation; in-sample too).
+
+Run:
+    python -m benchmarks.confidence_staleness --target <quickstart dir>/target-<key> \\
+        --drafter <DSpark-Markov workdir>
+    python -m benchmarks.confidence_staleness --quick   # random tiny target, fresh DSpark drafter
+
+Writes ``--out`` (JSON, default ``benchmarks/results/confidence_staleness.json``; ``--quick``: a
+file in the temp directory) and a PNG beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+
+import numpy as np
+
+from benchmarks.mtp_window import add_model_args, check_model_args, load_models
+from benchmarks.row_buckets import write_results
+from specjax.machine import cpu_model
+from specjax.paths import portable_values
+
+
+def lag_table(seqs: list[np.ndarray], lags) -> list[dict]:
+    """Per lag: pairs ``(S_t, S_{t+lag})`` within each sequence of ``seqs``; the module
+    docstring's columns. Lags with fewer than 3 pairs are left out."""
+    mu = float(np.mean(np.concatenate(seqs)))
+    rows = []
+    for k in lags:
+        pairs = [(s[:-k], s[k:]) for s in seqs if len(s) > k]
+        if not pairs:
+            continue
+        x = np.concatenate([p[0] for p in pairs])
+        y = np.concatenate([p[1] for p in pairs])
+        if len(x) < 3 or np.std(x) == 0 or np.std(y) == 0:
+            continue
+        rho = float(np.corrcoef(x, y)[0, 1])
+        rows.append({"lag": int(k), "pairs": int(len(x)), "corr": rho,
+                     "mse_stale": float(np.mean((y - x) ** 2)),
+                     "mse_mean": float(np.mean((y - mu) ** 2)),
+                     "mse_shrunk": float(np.mean((y - mu - rho * (x - mu)) ** 2))})
+    return rows
+
+
+def run(args) -> dict:
+    from specjax.engine import Engine, EngineConfig, Request
+    from specjax.scheduling import SchedulerConfig
+    target, drafter, params, frozen, gamma, prompts = load_models(args, kind="dspark")
+
+    class Recording(Engine):
+        """Records each step's confidences of the one active slot."""
+        seen: list = []
+
+        def _host_confidences(self, draft):
+            conf = super()._host_confidences(draft)
+            if conf is not None:
+                live = next(i for i, slot in enumerate(self.slots) if slot is not None)
+                self.seen.append((self.slots[live].request.seed, conf[live].copy()))
+            return conf
+
+    cfg = EngineConfig(num_slots=1, max_len=args.prompt_len + args.new_tokens + gamma + 2,
+                       gamma=gamma, prefill_buckets=(args.prompt_len,), filters=False,
+                       loop="host", scheduler=SchedulerConfig("threshold", threshold=0.0))
+    eng = Recording(target, drafter, params, frozen, cfg)
+    eng.warmup(profile=False)
+    cells = []
+    for t in args.temperatures:
+        seqs = []
+        for d in args.domains:
+            eng.seen = []
+            reqs = [Request(prompt=p, max_new_tokens=args.new_tokens, temperature=t, seed=i)
+                    for i, p in enumerate(prompts[d])]
+            eng.generate(reqs)
+            by_req: dict = {}
+            for rid, c in eng.seen:
+                by_req.setdefault(rid, []).append(float(np.cumprod(c).sum()))
+            seqs += [np.asarray(v) for v in by_req.values()]
+        flat = np.concatenate(seqs)
+        cell = {"temperature": t, "requests": len(seqs), "steps": int(flat.size),
+                "mean_s": float(flat.mean()), "sd_s": float(flat.std()),
+                "lags": lag_table(seqs, args.lags)}
+        cells.append(cell)
+        for r in cell["lags"]:
+            print(f"T={t:g} lag {r['lag']:2d}: corr {r['corr']:.2f}  MSE stale {r['mse_stale']:.3f}"
+                  f"  mean {r['mse_mean']:.3f}  shrunk {r['mse_shrunk']:.3f}  ({r['pairs']} pairs)")
+    return {"machine": f"{cpu_model() or platform.machine()}", "gamma": gamma,
+            "args": portable_values(vars(args)), "cells": cells}
+
+
+def plot(result: dict, png: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for i, c in enumerate(result["cells"]):
+        lags = [r["lag"] for r in c["lags"]]
+        for key, style in (("mse_stale", "-o"), ("mse_mean", "--"), ("mse_shrunk", ":s")):
+            ax.plot(lags, [r[key] for r in c["lags"]], style, color=f"C{i}",
+                    label=f"T={c['temperature']:g} {key[4:]}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("age of the drafted confidences (steps)")
+    ax.set_ylabel("MSE predicting Σ survival now")
+    ax.set_title("Stale confidences vs the mean (C = 1)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_args(p, kind="dspark")
+    p.add_argument("--domains", nargs="+", default=["math", "code", "prose"])
+    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
+    p.add_argument("--prompts", type=int, default=16, help="held-out prompts per domain")
+    p.add_argument("--prompt_len", type=int, default=32)
+    p.add_argument("--new_tokens", type=int, default=96)
+    p.add_argument("--lags", nargs="+", type=int, default=[1, 2, 4, 8, 16])
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    check_model_args(p, args)
+    if min(args.lags) < 1 or args.prompts < 1 or args.new_tokens < 2:
+        p.error("--lags must be >= 1, --prompts >= 1 and --new_tokens >= 2")
+    if args.quick:
+        args.domains, args.prompts, args.new_tokens, args.prompt_len = ["math"], 2, 12, 8
+        args.lags = [1, 2]
+    result = run(args)
+    write_results(args, "confidence_staleness", result, plot)
+    return result
+
+
+if __name__ == "__main__":
+    main()
