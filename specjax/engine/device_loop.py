@@ -40,7 +40,7 @@ from flax import nnx
 from specjax.drafters.base import DraftOutput, Sampling
 from specjax.engine import device_policies as dp
 from specjax.engine import online_calibration as oc
-from specjax.engine.steps import (DeviceState, plain_commit, plain_forward, verify_finish,
+from specjax.engine.steps import (DeviceState, plain_commit, plain_decode, verify_finish,
                                   verify_forward)
 
 VERIFY_SALT = 2  # key salt of verification noise (prefill's first token uses 1)
@@ -173,14 +173,12 @@ def plain_step(target_graphdef, target_state, ls: LoopState, sampling, keys, dra
     cheaper on CPU). ``keys``: the slots' ``[S]`` keys, or a function that makes them (called
     only when some active slot samples). Returns ``(DeviceState, tokens int32 [S, 1])``.
     """
-    dev = ls.dev
-    if drafter is not None:
-        dev, tok = plain_commit(target_graphdef, target_state, dev, ls.active, sampling, keys,
+    if drafter is None:
+        dev, tok = plain_decode(target_graphdef, target_state, ls.dev, ls.active, sampling, keys)
+    else:
+        dev, tok = plain_commit(target_graphdef, target_state, ls.dev, ls.active, sampling, keys,
                                 drafter, params, frozen)
-        return dev, tok[:, None]
-    res, tok, anchor = plain_forward(target_graphdef, target_state, dev, ls.active, sampling,
-                                     keys)
-    return DeviceState(res.cache, dev.drafter_state, anchor), tok[:, None]
+    return dev, tok[:, None]
 
 
 def _run_if(pred, fn, operand):

@@ -73,7 +73,7 @@ class HostLoopMixin:
         if not len(rows):
             return 0
         stale = np.stack([self._stale_conf(i) for i in rows])
-        plain = 1.0 / self.sps.plain_s if self.sps is not None and self.sps.plain_s > 0 else 0.0
+        plain = 0.0 if self.sps is None else self.sps.plain_sps
         budget = scheduling.budget_search(stale, self.sps_table, cap, self.sps_table_draft, plain)
         every = self.config.scheduler.explore_every
         # before any confidence was seen the stale ones are the 0.5 guess: draft once to measure

@@ -300,13 +300,20 @@ def plain_commit_step(target_graphdef: nnx.GraphDef, target_state, drafter, para
                         params, frozen)
 
 
+def plain_decode(target_graphdef: nnx.GraphDef, target_state, state: DeviceState, active,
+                 sampling: Sampling, keys):
+    """:func:`plain_forward` with the drafter state passed through untouched: policy "none".
+    Returns ``(DeviceState, tokens int32 [S])``."""
+    res, tok, anchor = plain_forward(target_graphdef, target_state, state, active, sampling, keys)
+    return DeviceState(res.cache, state.drafter_state, anchor), tok
+
+
 @functools.partial(jax.jit, static_argnames=("target_graphdef",), donate_argnames=("state",))
 def plain_decode_step(target_graphdef: nnx.GraphDef, target_state, state: DeviceState, active,
                       keys, sampling: Sampling):
-    """The host loop's step under policy "none": :func:`plain_forward`, the drafter state passed
-    through untouched (nothing reads it). Returns ``(DeviceState, tokens int32 [S])``."""
-    res, tok, anchor = plain_forward(target_graphdef, target_state, state, active, sampling, keys)
-    return DeviceState(res.cache, state.drafter_state, anchor), tok
+    """The host loop's step under policy "none": :func:`plain_decode` (the device loop runs the
+    same function; nothing reads the drafter state). Returns ``(DeviceState, tokens int32 [S])``."""
+    return plain_decode(target_graphdef, target_state, state, active, sampling, keys)
 
 
 @functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "max_len", "gamma",
