@@ -44,6 +44,7 @@ from specjax.evaluation_report import (plot_acceptance_per_position,  # noqa: F4
 from specjax.evaluation_stats import (ENTROPY_EDGES, StepRecords,  # noqa: F401 (re-exported)
                                       acceptance_by_position, binned_means, entropy, expected_tau,
                                       linear_fit, mean_accepted_length, summarize)
+from specjax.models.graphdef import hash_once
 from specjax.models.kv_cache import KVCache, init_cache
 from specjax.models.transformer import apply
 from specjax.verify import greedy_verify, rejection_sample, target_only_sample
@@ -229,6 +230,7 @@ def evaluate_drafter(target, drafter, params, frozen, tokens, lengths, *, gamma:
       ``{(rule, temperature): StepRecords}`` over the valid anchors.
     """
     graphdef, tparams = target
+    graphdef = hash_once(graphdef)  # a static argument of every chunk's calls
     tokens = np.asarray(tokens, np.int32)
     lengths = np.asarray(lengths, np.int32)
     r, t = tokens.shape

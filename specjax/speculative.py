@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.drafters.base import Observation, Sampling
+from specjax.models.graphdef import hash_once
 from specjax.models.kv_cache import KVCache, init_cache
 from specjax.models.transformer import apply
 from specjax.sampling import sample
@@ -222,6 +223,7 @@ def generate(target, drafter, params, frozen, prompts: Sequence[Sequence[int]],
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     graphdef, state = target if isinstance(target, tuple) else nnx.split(target)
+    graphdef = hash_once(graphdef)  # a static argument of every step
     b = len(prompts)
     lengths = np.array([len(p) for p in prompts], np.int32)
     need = int(lengths.max()) + max_new_tokens + gamma + 1

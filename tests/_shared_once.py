@@ -107,3 +107,22 @@ def count_compiles():
     finally:
         jax.monitoring.unregister_event_duration_listener(on_duration)
         jax.monitoring.unregister_event_listener(on_event)
+
+
+@contextlib.contextmanager
+def count_graphdef_hashes():
+    """Yields a list that collects one entry per ``nnx.GraphDef`` hash computed inside the
+    ``with`` (a :class:`specjax.models.graphdef.HashedGraphDef` computes its hash once, on first
+    use; a plain graphdef on every call of a jitted function that takes it as a static argument)."""
+    from flax import nnx
+    computed = []
+    plain = nnx.GraphDef.__hash__
+
+    def counting(self):
+        computed.append(type(self).__name__)
+        return plain(self)
+    nnx.GraphDef.__hash__ = counting
+    try:
+        yield computed
+    finally:
+        nnx.GraphDef.__hash__ = plain

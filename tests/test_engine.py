@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from _shared_once import count_compiles
+from _shared_once import count_compiles, count_graphdef_hashes
 from scipy import stats
 
 from specjax.buckets import SPSProfile
@@ -515,7 +515,7 @@ def test_no_compilation_after_warmup(target, policy, loop):
         assert engine.sps.plain_s > 0 and engine.sps.key.endswith("/host-plain")
     engine.set_sps(SPSProfile(tuple(engine.buckets), (100.0,) * len(engine.buckets),
                               plain_s=plain_s))
-    with count_compiles() as compiles:
+    with count_compiles() as compiles, count_graphdef_hashes() as hashed:
         rng = np.random.default_rng(0)
         steps = 0
         while steps < 200:
@@ -537,6 +537,9 @@ def test_no_compilation_after_warmup(target, policy, loop):
     if plain_s:
         assert 0 < sum(s.drafted for s in stats) < len(stats) // 4
     assert compiles == []
+    # and the static graphdefs of the target and the drafter are not hashed again at each call
+    # (specjax.models.graphdef): warm-up hashed them once
+    assert hashed == []
 
 
 @pytest.mark.parametrize("loop", ["device", "host"])

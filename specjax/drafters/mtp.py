@@ -53,6 +53,7 @@ from specjax.drafters.base import (DraftOutput, Observation, Sampling, SharedHea
                                    default_anchors, draw, drop_invalid, gather_positions)
 from specjax.drafters.blocks import block_forward, cached_attention, causal_self_attention
 from specjax.models.config import ModelConfig
+from specjax.models.graphdef import hash_once
 from specjax.models.flops import (attention_flops_per_query, block_matmul_params,
                                   lm_head_flops_per_row)
 from specjax.models.layers import RMSNorm, param, rope_inv_freq
@@ -174,6 +175,12 @@ class MTPDrafter:
     config: MTPConfig
     target_config: ModelConfig
     graphdef: nnx.GraphDef
+
+    def __post_init__(self):
+        # The drafter is a static argument of every jitted engine call, and its hash includes
+        # the graphdef's (specjax.models.graphdef)
+        object.__setattr__(self, "graphdef", hash_once(self.graphdef))
+
     # Queries of the last depth's block in propose: 1, since only its output at the query position
     # is read (its keys / values are computed at every window position); None runs the whole
     # block at every position, as before (benchmarks/mtp_window.py times both).

@@ -57,6 +57,7 @@ from specjax.engine.requests import (CONFIDENCE_POLICIES, EngineConfig, LoopStat
                                      StepStats, _Live)
 from specjax.engine.steps import DeviceState, prefill_step
 from specjax.engine.warmup import WarmupMixin
+from specjax.models.graphdef import hash_once
 from specjax.models.kv_cache import init_cache
 from specjax.verify import resolve_impl
 
@@ -80,7 +81,8 @@ class Engine(HostLoopMixin, DeviceLoopMixin, WarmupMixin):
     """
 
     def __init__(self, target, drafter, params, frozen, config: EngineConfig = EngineConfig()):
-        self.graphdef, self.target_state = target if isinstance(target, tuple) else nnx.split(target)
+        graphdef, self.target_state = target if isinstance(target, tuple) else nnx.split(target)
+        self.graphdef = hash_once(graphdef)  # a static argument of every jitted call
         self.model_config = nnx.merge(self.graphdef, self.target_state).config
         self.drafter, self.params, self.frozen = drafter, params, frozen
         self.config = config

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax.models.graphdef import hash_once
 from specjax.models.kv_cache import KVCache, init_cache
 from specjax.models.transformer import Transformer, apply
 
@@ -204,6 +205,7 @@ def generate_timed(model: Transformer, prompts: Sequence[Sequence[int]], max_new
         tokens[i, :len(p)] = p
 
     graphdef, state = nnx.split(model)
+    graphdef = hash_once(graphdef)  # a static argument of every step
     greedy = temperature == 0.0
     temp = jnp.float32(temperature if not greedy else 1.0)
     eos = jnp.int32(-1 if eos_id is None else eos_id)
