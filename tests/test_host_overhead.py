@@ -1,5 +1,5 @@
-"""specjax.models.graphdef: a graphdef that keeps its hash, for graphdefs passed to ``jax.jit`` as
-static arguments on every call."""
+"""Per-call host work the engine and the decoders avoid: hashing a graphdef at every jitted call
+(specjax.models.graphdef keeps the hash) and folding the host loop's drafting key eagerly."""
 import functools
 import pickle
 
@@ -69,3 +69,16 @@ def test_drafters_and_generate_hold_hashed_graphdefs():
     assert len(out[0]) == 4
     # one hash for this call's graphdef (nnx.split makes a new one), not one per step
     assert computed == ["HashedGraphDef"]
+
+
+def test_the_host_loops_drafting_keys_are_the_eager_fold_ins():
+    """Engine._next_key folds the draw count into the engine's key in a jitted call: the keys are
+    those of the eager ``jax.random.fold_in(key, n)`` it replaced, n = 1, 2, ..."""
+    from types import SimpleNamespace
+
+    from specjax.engine import Engine
+    eng = SimpleNamespace(_key=jax.random.key(7), _draws=0)
+    got = [jax.random.key_data(Engine._next_key(eng)) for _ in range(3)]
+    want = [jax.random.key_data(jax.random.fold_in(jax.random.key(7), n)) for n in (1, 2, 3)]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert eng._draws == 3
