@@ -42,13 +42,14 @@ class DeviceLoopMixin:
 
     def _loop_inputs(self, stop_on_finish: bool):
         """Host arrays for one call: the loop state around ``self.state`` and the per-slot
-        seeds / stop tokens / stop flag (:meth:`_run_loop` commits them to the engine's device,
-        with the rest of the call's inputs, in one transfer)."""
+        seeds / stop tokens / stop flag (:meth:`_run_loop` commits the host arrays among them to
+        the engine's device, with the rest of the call's inputs, in one transfer)."""
         s, g = self.config.num_slots, self.config.gamma
         spec = self._loop_spec
         carry = self._carry
         if carry is None:
-            carry = init_loop_state(self.state, s, g, spec.out_len, spec.explore_every)
+            # committed to the engine's device, as every later carry (a call's output) is
+            carry = self._put(init_loop_state(self.state, s, g, spec.out_len, spec.explore_every))
         active = np.zeros(s, bool)
         remaining = np.zeros(s, np.int32)
         steps = np.zeros(s, np.int32)
@@ -140,9 +141,12 @@ class DeviceLoopMixin:
         n_rows = None if rows is None else len(rows)
         shrink = np.int32(shrink_point(n_rows, self.config.loop_row_buckets))
         row_ids = None if rows is None else np.asarray(rows, np.int32)
-        # one transfer for every host input of the call (each device_put costs host time)
-        ls, (seeds, stops, stop), sampling, shrink, row_ids = self._put(
-            (ls, per_slot, self._sampling(), shrink, row_ids))
+        # One transfer for the host (numpy) inputs of the call; the state and the carry are on
+        # the engine's device already (a device_put costs host time per array, ~30 of them).
+        leaves, tree = jax.tree.flatten((ls, per_slot, self._sampling(), shrink, row_ids))
+        moved = iter(self._put([x for x in leaves if not isinstance(x, jax.Array)]))
+        leaves = [x if isinstance(x, jax.Array) else next(moved) for x in leaves]
+        ls, (seeds, stops, stop), sampling, shrink, row_ids = jax.tree.unflatten(tree, leaves)
         sps, sps_d, sps_plain = self._device_sps(n_rows)
         args = (self.graphdef, self.target_state, self.drafter, self.params, self.frozen, ls)
         rest = (sampling, seeds, stops, sps, sps_d, sps_plain, self._key, stop)
