@@ -25,9 +25,9 @@ from flax import nnx
 from specjax.drafters.base import (DraftOutput, Observation, Sampling, TeacherForced,
                                    default_anchors, draw, gather_positions)
 from specjax.models.config import ModelConfig
-from specjax.models.graphdef import hash_once
 from specjax.models.flops import (attention_flops_per_query, block_matmul_params,
                                   forward_flops_per_token, lm_head_flops_per_row)
+from specjax.models.graphdef import GraphDefHolder
 from specjax.models.kv_cache import KVCache, init_cache
 from specjax.models.transformer import Transformer, apply
 
@@ -46,16 +46,11 @@ class DraftLMState:
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftLMDrafter:
+class DraftLMDrafter(GraphDefHolder):
     """Draft-LM drafter; ``params`` is the draft :class:`Transformer`'s state, ``frozen`` unused."""
 
     config: ModelConfig
     graphdef: nnx.GraphDef
-
-    def __post_init__(self):
-        # The drafter is a static argument of every jitted engine call, and its hash includes
-        # the graphdef's (specjax.models.graphdef)
-        object.__setattr__(self, "graphdef", hash_once(self.graphdef))
 
     @staticmethod
     def create(config: ModelConfig, seed: int = 0):

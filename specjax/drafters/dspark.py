@@ -45,10 +45,10 @@ from specjax.drafters.base import (DraftOutput, Observation, Sampling, SharedHea
                                    default_anchors, draw, drop_invalid, gather_positions)
 from specjax.drafters.blocks import block_forward, context_block_attention, project_kv
 from specjax.models.attention import kv_windows, window_switch
-from specjax.models.graphdef import hash_once
 from specjax.models.flops import (attention_flops_per_query, block_matmul_params,
                                   lm_head_flops_per_row)
 from specjax.models.config import ModelConfig
+from specjax.models.graphdef import GraphDefHolder
 from specjax.models.layers import RMSNorm, param, rope_inv_freq
 from specjax.models.transformer import Block
 
@@ -172,7 +172,7 @@ class DSparkState:
 
 
 @dataclasses.dataclass(frozen=True)
-class DSparkDrafter:
+class DSparkDrafter(GraphDefHolder):
     """DSpark / DFlash drafter: static description (hashable) + pure functions.
 
     ``params`` is the :class:`DSparkModule` state; ``frozen`` the target's
@@ -182,11 +182,6 @@ class DSparkDrafter:
     config: DSparkConfig
     target_config: ModelConfig
     graphdef: nnx.GraphDef
-
-    def __post_init__(self):
-        # The drafter is a static argument of every jitted engine call, and its hash includes
-        # the graphdef's (specjax.models.graphdef)
-        object.__setattr__(self, "graphdef", hash_once(self.graphdef))
 
     @staticmethod
     def create(target_config: ModelConfig, config: DSparkConfig = DSparkConfig(), seed: int = 0):

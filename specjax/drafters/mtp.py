@@ -53,9 +53,9 @@ from specjax.drafters.base import (DraftOutput, Observation, Sampling, SharedHea
                                    default_anchors, draw, drop_invalid, gather_positions)
 from specjax.drafters.blocks import block_forward, cached_attention, causal_self_attention
 from specjax.models.config import ModelConfig
-from specjax.models.graphdef import hash_once
 from specjax.models.flops import (attention_flops_per_query, block_matmul_params,
                                   lm_head_flops_per_row)
+from specjax.models.graphdef import GraphDefHolder
 from specjax.models.layers import RMSNorm, param, rope_inv_freq
 from specjax.models.transformer import Block
 
@@ -165,7 +165,7 @@ def _roll(old: jax.Array, new: jax.Array, offset: jax.Array, width: int) -> jax.
 
 
 @dataclasses.dataclass(frozen=True)
-class MTPDrafter:
+class MTPDrafter(GraphDefHolder):
     """MTP drafter: static description (hashable; pass as a static jit argument) + pure functions.
 
     ``params`` is the :class:`MTPHeads` state (``nnx.State`` or its pure dict); ``frozen`` is the
@@ -175,11 +175,6 @@ class MTPDrafter:
     config: MTPConfig
     target_config: ModelConfig
     graphdef: nnx.GraphDef
-
-    def __post_init__(self):
-        # The drafter is a static argument of every jitted engine call, and its hash includes
-        # the graphdef's (specjax.models.graphdef)
-        object.__setattr__(self, "graphdef", hash_once(self.graphdef))
 
     # Queries of the last depth's block in propose: 1, since only its output at the query position
     # is read (its keys / values are computed at every window position); None runs the whole

@@ -39,13 +39,6 @@ class HashedGraphDef(nnx.GraphDef):
         return (self.nodes, self.attributes, self.num_leaves) == (
             other.nodes, other.attributes, other.num_leaves)
 
-    def __ne__(self, other) -> bool:
-        eq = self.__eq__(other)
-        return eq if eq is NotImplemented else not eq
-
-    def __reduce__(self):
-        return HashedGraphDef, (self.nodes, self.attributes, self.num_leaves)
-
 
 # A static pytree node like GraphDef itself (a graphdef inside a pytree is structure, not data).
 jax.tree_util.register_static(HashedGraphDef)
@@ -57,3 +50,12 @@ def hash_once(graphdef):
     if isinstance(graphdef, HashedGraphDef) or not isinstance(graphdef, nnx.GraphDef):
         return graphdef
     return HashedGraphDef(graphdef.nodes, graphdef.attributes, graphdef.num_leaves)
+
+
+class GraphDefHolder:
+    """Base of the frozen dataclasses that hold a ``graphdef`` field and are themselves static
+    ``jax.jit`` arguments (the drafters: a drafter's hash includes its graphdef's): wraps the
+    field with :func:`hash_once` when the dataclass is built."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "graphdef", hash_once(self.graphdef))  # frozen dataclass
