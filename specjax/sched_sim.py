@@ -18,7 +18,8 @@ One simulated step (C requests, all decoding; no admission, no finishing):
 1. each request draws a recorded step uniformly at random (steps of one request are independent
    here, which ignores the correlation of consecutive steps of one text);
 2. the policy picks ℓ_r from the confidences (the production policy from its own history of
-   confidences two drafting steps old, as the engine does);
+   confidences two drafting steps old, as the engine's host loop does, shrunk towards the
+   running prior by their age, ``SchedulerConfig.stale_decay``);
 3. the request emits ``min(num_accepted, ℓ_r) + 1`` tokens; the step costs
    ``1 / SPS(C + Σ ℓ_r)`` seconds plus the drafting time when the step drafted.
 
@@ -141,6 +142,7 @@ def simulate(traces: Traces, config: SchedulerConfig, profile: SPSProfile, concu
     # production: per-request confidences of past drafting steps (two kept) and a running prior
     hist = np.zeros((c, 2, g))
     hist_n = np.zeros(c, np.int64)
+    hist_t = np.zeros((c, 2), np.int64)  # the step each was drafted at
     prior, prior_seen, since_draft = np.full(g, 0.5), False, 0
     tokens = verified = drafting = 0
     seconds = 0.0
@@ -151,6 +153,7 @@ def simulate(traces: Traces, config: SchedulerConfig, profile: SPSProfile, concu
             lengths, drew = np.zeros(c, np.int64), False
         elif config.policy == "production":
             stale = np.where((hist_n >= 2)[:, None], hist[:, 0], prior[None])
+            stale = scheduling.shrink_stale(stale, prior, t - hist_t[:, 0], config.stale_decay)
             budget = scheduling.budget_search(stale, sps, cap, sps_d)
             if budget == 0 and config.explore_every and (not prior_seen or
                                                          since_draft + 1 >= config.explore_every):
@@ -160,9 +163,10 @@ def simulate(traces: Traces, config: SchedulerConfig, profile: SPSProfile, concu
                        else np.zeros(c, np.int64))
             if drew:
                 hist = np.stack([hist[:, 1], live], axis=1)
+                hist_t = np.stack([hist_t[:, 1], np.full(c, t)], axis=1)
                 hist_n = hist_n + 1
                 w = 0.1 if prior_seen else 1.0
-                prior, prior_seen = (1 - w) * prior + w * live.mean(axis=0), True
+                prior, prior_seen = scheduling.survival_prior_update(prior, live, w), True
             since_draft = 0 if drew else since_draft + 1
         else:
             lengths = scheduling.schedule(config, live, sps, max_len=cap)
@@ -180,7 +184,11 @@ def simulate(traces: Traces, config: SchedulerConfig, profile: SPSProfile, concu
 
 
 def _label(config: SchedulerConfig) -> str:
-    return f"fixed K={config.k}" if config.policy == "fixed" else config.policy
+    if config.policy == "fixed":
+        return f"fixed K={config.k}"
+    if config.policy == "production" and config.stale_decay != SchedulerConfig.stale_decay:
+        return f"production ρ={config.stale_decay:g}"
+    return config.policy
 
 
 def sweep(traces: Traces, configs: Sequence[SchedulerConfig], profile: SPSProfile,

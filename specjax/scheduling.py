@@ -42,7 +42,8 @@ from specjax.buckets import (SPSProfile, default_buckets, pick_bucket, plan_chun
 __all__ = [
     # policies
     "prefix_survival", "prefix_schedule", "expected_throughput", "budget_search",
-    "top_budget_admission", "production_schedule", "no_speculation", "fixed_k",
+    "top_budget_admission", "shrink_stale", "survival_prior_update", "confidences_from_survival",
+    "production_schedule", "no_speculation", "fixed_k",
     "threshold_schedule", "POLICIES", "SchedulerConfig", "schedule",
     # from specjax.buckets
     "SPSProfile", "default_buckets", "pick_bucket", "plan_chunks", "profile_sps",
@@ -161,6 +162,59 @@ def budget_search(confidences, sps_table, max_len: Optional[np.ndarray] = None,
     return best + 1 if theta[best] > theta0 else 0
 
 
+def confidences_from_survival(a) -> np.ndarray:
+    """The inverse of :func:`prefix_survival`: ``c_j = a_j / a_{j-1}`` (``a_0 = 1``), 0 where
+    ``a_{j-1} = 0``. ``a``: float ``[..., γ]``, non-increasing along the last axis."""
+    a = np.asarray(a, np.float64)
+    prev = np.concatenate([np.ones_like(a[..., :1]), a[..., :-1]], axis=-1)
+    return np.divide(a, prev, out=np.zeros_like(a), where=prev > 0)
+
+
+def survival_prior_update(prior, fresh, weight: float) -> np.ndarray:
+    """The running prior after one drafting step: a moving average of *survivals*.
+
+    ``cumprod(new) = (1 − weight) · cumprod(prior) + weight · mean_r cumprod(fresh[r])``, returned
+    as confidences. Averaging survivals, not confidences, keeps the prior's summed survival the
+    mean of the drafted ones' (``Π`` of mean confidences understates it when they vary); a new
+    request reads it, and stale vectors shrink towards it (:func:`shrink_stale`).
+
+    Args:
+      prior: float ``[γ]``. fresh: float ``[R, γ]`` this step's drafted confidences (R ≥ 1).
+      weight: of this step (1 replaces the prior: the first observation).
+    """
+    a = (1 - weight) * prefix_survival(np.asarray(prior)[None])[0] \
+        + weight * prefix_survival(fresh).mean(axis=0)
+    return confidences_from_survival(a)
+
+
+def shrink_stale(stale, prior, lag, decay: float) -> np.ndarray:
+    """Stale confidences pulled towards the running prior by their age (production's budget input).
+
+    In survival space: ``a = a_prior + decay**lag · (a_stale − a_prior)`` with ``a = cumprod(c)``,
+    returned as confidences. A vector drafted ``lag`` steps ago predicts what a request would
+    draft now less well the older it is (the correlation of their summed survivals falls with
+    the lag, ``benchmarks/confidence_staleness.py``), so it is shrunk towards the running prior;
+    ``decay = 1`` keeps it as it is, ``decay = 0`` reads the prior alone. Shrinking survivals
+    moves the summed survival ``S = Σ_j a_j`` (the budget search's τ per request) linearly from
+    the stale vector's to the prior's. The device loop's jnp form:
+    :func:`specjax.engine.device_policies.shrink_stale`.
+
+    Args:
+      stale: float ``[R, γ]`` each request's latest usable drafted confidences.
+      prior: float ``[γ]`` the running prior (:func:`survival_prior_update`).
+      lag: int ``[R]`` steps since each row's vector was drafted (a row that reads the prior
+        already is unchanged by any lag).
+      decay: per-step factor in ``[0, 1]`` (``SchedulerConfig.stale_decay``).
+    Returns:
+      float ``[R, γ]`` (``stale`` itself when ``decay = 1``).
+    """
+    if decay == 1.0:  # exactly the stale vector (no rounding through the survivals)
+        return stale
+    w = decay ** np.asarray(lag, np.float64)
+    a_p = prefix_survival(np.asarray(prior)[None])
+    return confidences_from_survival(a_p + w[:, None] * (prefix_survival(stale) - a_p))
+
+
 def top_budget_admission(confidences, budget: int,
                          max_len: Optional[np.ndarray] = None) -> np.ndarray:
     """Admits the ``budget`` candidates with the highest live survival ``a`` (rank-preserving).
@@ -227,12 +281,22 @@ class SchedulerConfig:
       on when the load falls. A fixed step count: it never looks at a draft. Before any
       confidences were seen (an engine's first step) it drafts too: the stale confidences are a
       0.5 guess until then. 0 disables both.
+    stale_decay: "production" only: the budget search reads each request's latest drafted
+      confidences shrunk towards the running prior of all drafted ones by ``stale_decay**lag``
+      in survival space, ``lag`` the steps since they were drafted (:func:`shrink_stale`). 1
+      reads them as they are however old, so a pessimistic vector holds drafting off until the
+      next exploring step. The default 0.85 is the value that predicted the current step's
+      summed survival best over lags 1-16, pooled over T = 0 and 1, for the DSpark-Markov head
+      of docs/SERVING.md ("How fast the confidences go stale";
+      ``benchmarks/confidence_staleness.py`` measures it for any head). Any value is lossless:
+      the budget reads no draft of the step it admits.
     """
 
     policy: str = "dspark"
     k: int = 4
     threshold: float = 0.5
     explore_every: int = 16
+    stale_decay: float = 0.85
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -242,6 +306,9 @@ class SchedulerConfig:
             raise ValueError(f"SchedulerConfig.k must be ≥ 0, got {self.k}")
         if not 0 <= self.threshold <= 1:
             raise ValueError(f"SchedulerConfig.threshold must be in [0, 1], got {self.threshold}")
+        if not 0 <= self.stale_decay <= 1:
+            raise ValueError(f"SchedulerConfig.stale_decay must be in [0, 1], "
+                             f"got {self.stale_decay}")
         if self.explore_every < 0:
             raise ValueError(f"SchedulerConfig.explore_every must be ≥ 0, "
                              f"got {self.explore_every}")

@@ -35,6 +35,7 @@ class DeviceLoopMixin:
         return LoopSpec(policy=sch.policy, gamma=cfg.gamma, buckets=tuple(self.buckets),
                         method=cfg.method, max_steps=cfg.loop_steps, k=sch.k,
                         threshold=sch.threshold, explore_every=sch.explore_every,
+                        stale_decay=sch.stale_decay,
                         verify_impl=self.verify_impl, calibrate=cfg.online_calibration)
 
     def _put(self, x):

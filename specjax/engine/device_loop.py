@@ -42,6 +42,7 @@ from specjax.engine import device_policies as dp
 from specjax.engine import online_calibration as oc
 from specjax.engine.steps import (DeviceState, plain_commit, plain_decode, verify_finish,
                                   verify_forward)
+from specjax.scheduling import SchedulerConfig
 
 VERIFY_SALT = 2  # key salt of verification noise (prefill's first token uses 1)
 # Production's exploration interval grows up to this factor while exploring never pays: at high
@@ -53,7 +54,8 @@ EXPLORE_BACKOFF = 16
 class LoopSpec:
     """Static shape and policy of a device loop (its compilation key).
 
-    policy / k / threshold / explore_every: as :class:`~specjax.scheduling.SchedulerConfig`.
+    policy / k / threshold / explore_every / stale_decay: as
+    :class:`~specjax.scheduling.SchedulerConfig`.
     gamma: drafts per step. buckets: verification token buckets (ascending). method: "rejection"
     or "target_only". max_steps: steps per call (the output buffer holds
     ``max_steps · (γ + 1)`` tokens per slot). verify_impl: "jnp" or "pallas". calibrate: the
@@ -70,6 +72,7 @@ class LoopSpec:
     explore_every: int = 16
     verify_impl: str = "jnp"
     calibrate: bool = False
+    stale_decay: float = SchedulerConfig.stale_decay
 
     @property
     def out_len(self) -> int:
@@ -89,7 +92,8 @@ class LoopState(NamedTuple):
       denominator of the conditional acceptance α_k = accepted / reached).
     conf_hist: f32 ``[S, 2, γ]`` the slot's last two drafted confidences (older first);
       hist_n: int32 ``[S]`` how many it has (production).
-    prior: f32 ``[γ]`` running mean of confidences (production: stands in for new requests);
+    prior: f32 ``[γ]`` confidences whose survivals are the running mean of the drafted ones'
+      (production: stands in for new requests; stale vectors shrink towards it);
       prior_seen: bool scalar, the prior was set from real confidences.
     cal_acc, cal_pred: f32 ``[γ]`` decayed acceptances and raw confidences of the verified drafts
       that reached each position (online calibration; :mod:`.online_calibration`).
@@ -302,29 +306,7 @@ def run_loop(target_graphdef: nnx.GraphDef, target_state, drafter, params, froze
                       jnp.bool_(False), ls.explore_gap)
 
     def production_choice(ls: LoopState):
-        """``(cap, budget, drew, explore gap after the step)`` of production's next step: the
-        budget from each slot's latest drafted confidences (a step or more old: nothing is in
-        flight on the device, unlike the paper's CPU scheduler, whose newest are two steps
-        old); budget 0 -> a plain step (no draft) unless it is time to explore."""
-        cap = jnp.clip(jnp.minimum(g, ls.remaining - 1), 0, g)
-        stale = jnp.where((ls.hist_n >= 1)[:, None], ls.conf_hist[:, 1], ls.prior[None])
-        stale = _calibrated(spec, ls, stale)
-        budget = dp.budget_search(stale, sps, cap, ls.active, sps_draft, sps_plain)
-        voluntary = budget > 0
-        # Before any confidence was seen, the stale ones are a 0.5 guess: draft once to measure
-        # them rather than run explore_every plain steps on a guess (a fresh engine's first step).
-        cold = ~ls.prior_seen
-        explore = ~voluntary & (spec.explore_every > 0) & \
-            ((ls.since_draft + 1 >= ls.explore_gap) | cold)
-        # an exploring step drafts whatever the plain step's rate: the best budget > 0
-        budget = jnp.where(explore, dp.budget_search(stale, sps, cap, ls.active, sps_draft,
-                                                     jnp.float32(1e-30)), budget)
-        drew = budget > 0
-        gap = jnp.where(voluntary, spec.explore_every,
-                        jnp.where(drew & ~cold, jnp.minimum(2 * ls.explore_gap,
-                                                            EXPLORE_BACKOFF * spec.explore_every),
-                                  ls.explore_gap))
-        return cap, budget, drew, gap
+        return production_step_choice(spec, ls, sps, sps_draft, sps_plain)
 
     def speculative_body(ls: LoopState, budget, cap, drew, gap):
         """One drafting step: draft, choose ℓ (``budget``: production's), verify, commit."""
@@ -361,16 +343,49 @@ def run_loop(target_graphdef: nnx.GraphDef, target_state, drafter, params, froze
     return jax.lax.while_loop(cond, body, ls)
 
 
+def production_step_choice(spec: LoopSpec, ls: LoopState, sps, sps_draft, sps_plain):
+    """``(cap, budget, drew, explore gap after the step)`` of production's next step: the
+    budget from each slot's latest drafted confidences (a step or more old: nothing is in
+    flight on the device, unlike the paper's CPU scheduler, whose newest are two steps
+    old), shrunk towards the running prior by their age (``spec.stale_decay``); budget 0 -> a
+    plain step (no draft) unless it is time to explore. ``sps``, ``sps_draft``, ``sps_plain``:
+    as :func:`run_loop`'s. ``cap``, ``budget``: int32 ``[S]`` / scalar; ``drew``: bool scalar."""
+    g = spec.gamma
+    cap = jnp.clip(jnp.minimum(g, ls.remaining - 1), 0, g)
+    stale = jnp.where((ls.hist_n >= 1)[:, None], ls.conf_hist[:, 1], ls.prior[None])
+    # every active row with a vector drafted it at the last drafting step: since_draft + 1
+    # steps ago (rows admitted since read the prior, which no lag changes)
+    lag = jnp.full(stale.shape[:1], ls.since_draft + 1, jnp.int32)
+    stale = dp.shrink_stale(stale, ls.prior, lag, spec.stale_decay)
+    stale = _calibrated(spec, ls, stale)
+    budget = dp.budget_search(stale, sps, cap, ls.active, sps_draft, sps_plain)
+    voluntary = budget > 0
+    # Before any confidence was seen, the stale ones are a 0.5 guess: draft once to measure
+    # them rather than run explore_every plain steps on a guess (a fresh engine's first step).
+    cold = ~ls.prior_seen
+    explore = ~voluntary & (spec.explore_every > 0) & \
+        ((ls.since_draft + 1 >= ls.explore_gap) | cold)
+    # an exploring step drafts whatever the plain step's rate: the best budget > 0
+    budget = jnp.where(explore, dp.budget_search(stale, sps, cap, ls.active, sps_draft,
+                                                 jnp.float32(1e-30)), budget)
+    drew = budget > 0
+    gap = jnp.where(voluntary, spec.explore_every,
+                    jnp.where(drew & ~cold, jnp.minimum(2 * ls.explore_gap,
+                                                        EXPLORE_BACKOFF * spec.explore_every),
+                              ls.explore_gap))
+    return cap, budget, drew, gap
+
+
 def _update_confidences(ls: LoopState, conf, fresh):
     """Production: pushes the fresh rows' confidences into their history and the running prior
-    (a moving average over steps; the first observation replaces the 0.5 guess)."""
+    (a moving average of survivals over steps, :func:`specjax.scheduling.survival_prior_update`;
+    the first observation replaces the 0.5 guess)."""
     pushed = jnp.stack([ls.conf_hist[:, 1], conf.astype(jnp.float32)], axis=1)
     hist = jnp.where(fresh[:, None, None], pushed, ls.conf_hist)
     n = jnp.where(fresh, jnp.minimum(ls.hist_n + 1, 2), ls.hist_n)
     any_fresh = jnp.any(fresh)
-    mean = jnp.sum(jnp.where(fresh[:, None], conf, 0.0), axis=0) / jnp.maximum(jnp.sum(fresh), 1)
     w = jnp.where(ls.prior_seen, 0.1, 1.0)
-    prior = jnp.where(any_fresh, (1 - w) * ls.prior + w * mean, ls.prior)
+    prior = dp.survival_prior_update(ls.prior, conf.astype(jnp.float32), fresh, w)
     return ls._replace(conf_hist=hist, hist_n=n, prior=prior,
                        prior_seen=ls.prior_seen | any_fresh)
 

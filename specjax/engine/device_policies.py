@@ -122,3 +122,30 @@ def threshold_schedule(conf, threshold, cap, active):
 def fixed_k(k: int, cap, active):
     """ℓ = k for every active slot (capped)."""
     return jnp.where(active, jnp.minimum(k, cap), -1).astype(jnp.int32)
+
+
+def confidences_from_survival(a):
+    """``c_j = a_j / a_{j-1}`` (``a_0 = 1``), 0 where ``a_{j-1} = 0``; ``a`` ``[..., γ]``."""
+    prev = jnp.concatenate([jnp.ones_like(a[..., :1]), a[..., :-1]], axis=-1)
+    return jnp.where(prev > 0, a / jnp.where(prev > 0, prev, 1.0), 0.0)
+
+
+def shrink_stale(stale, prior, lag, decay: float):
+    """Production's stale confidences ``[S, γ]`` shrunk towards ``prior [γ]`` by
+    ``decay**lag`` (``lag`` int ``[S]``) in survival space; ``decay`` is static."""
+    if decay == 1.0:
+        return stale
+    w = jnp.float32(decay) ** lag.astype(jnp.float32)
+    a_p = survival(prior[None])
+    return confidences_from_survival(a_p + w[:, None] * (survival(stale) - a_p))
+
+
+def survival_prior_update(prior, conf, fresh, weight):
+    """The running prior ``[γ]`` after a drafting step: survivals averaged over the ``fresh``
+    rows (bool ``[S]``) of ``conf [S, γ]`` and mixed in with ``weight`` (scalar); unchanged when
+    no row is fresh."""
+    a = survival(conf)
+    n = jnp.sum(fresh)
+    mean = jnp.sum(jnp.where(fresh[:, None], a, 0.0), axis=0) / jnp.maximum(n, 1)
+    new = confidences_from_survival((1 - weight) * survival(prior[None])[0] + weight * mean)
+    return jnp.where(n > 0, new, prior)

@@ -114,6 +114,7 @@ class Engine(HostLoopMixin, DeviceLoopMixin, WarmupMixin):
         self._conf_prior = np.full(config.gamma, 0.5)  # production: confidences of new requests
         self._conf_prior_seen = False
         self._steps_without_draft = 0
+        self._host_steps = 0  # host loop: steps run (dates production's drafted confidences)
         self.sps: Optional[SPSProfile] = None
         # row buckets: the profile of each row count's program ({} or missing: ``sps``)
         self.sps_rows: dict[int, SPSProfile] = {}

@@ -63,16 +63,20 @@ class HostLoopMixin:
                             - self.slots[i].generated - 1) for i in rows], np.int64)
         return rows, np.maximum(cap, 0)
 
-    def _production_budget(self) -> int:
+    def _production_budget(self, ahead: int = 0) -> int:
         """The production policy's draft-token budget for the next verification, from each
         running request's confidences of two steps earlier (never from the drafts it will
-        admit). 0 means the step does not draft at all (scored without the drafting cost);
-        every ``explore_every``-th step without drafting drafts anyway (a step count only), and
-        so does every step before the first confidences were seen."""
+        admit), shrunk towards the prior by their age (``ahead``: 1 when searched during the
+        step before the one it is for, as the overlap does; 0 during the step itself). 0 means
+        the step does not draft at all (scored without the drafting cost); every
+        ``explore_every``-th step without drafting drafts anyway (a step count only), and so does
+        every step before the first confidences were seen."""
         rows, cap = self._rows_and_caps()
         if not len(rows):
             return 0
-        stale = np.stack([self._stale_conf(i) for i in rows])
+        stale, lag = zip(*(self._stale_conf(i, ahead) for i in rows))
+        stale = scheduling.shrink_stale(np.stack(stale), self._conf_prior, np.array(lag),
+                                        self.config.scheduler.stale_decay)
         plain = 0.0 if self.sps is None else self.sps.plain_sps
         budget = scheduling.budget_search(stale, self.sps_table, cap, self.sps_table_draft, plain)
         every = self.config.scheduler.explore_every
@@ -105,10 +109,11 @@ class HostLoopMixin:
                 fresh = [j for j, i in enumerate(rows)
                          if self._no_draft_rows is None or not self._no_draft_rows[i]]
                 for j in fresh:
-                    self.slots[rows[j]].conf_history.append(conf[j])
-                if fresh:  # moving average over steps (the first one replaces the 0.5 guess)
+                    self.slots[rows[j]].conf_history.append((self._host_steps, conf[j]))
+                if fresh:  # moving average of survivals (the first replaces the 0.5 guess)
                     w = 0.1 if self._conf_prior_seen else 1.0
-                    self._conf_prior = (1 - w) * self._conf_prior + w * conf[fresh].mean(axis=0)
+                    self._conf_prior = scheduling.survival_prior_update(self._conf_prior,
+                                                                        conf[fresh], w)
                     self._conf_prior_seen = True
         else:
             lengths = scheduling.schedule(cfg.scheduler, conf, self.sps_table, max_len=cap)
@@ -116,19 +121,22 @@ class HostLoopMixin:
         out[rows] = lengths
         return out
 
-    def _stale_conf(self, slot: int) -> np.ndarray:
-        """Confidences this request's drafter produced two steps ago; before it has two, the
-        running mean of all requests' past confidences (0.5 before any)."""
+    def _stale_conf(self, slot: int, ahead: int = 0) -> tuple[np.ndarray, int]:
+        """``(confidences, lag)``: those this request's drafter produced two drafting steps ago
+        and the steps since (at the step ``ahead`` steps after the current one); before it has
+        two, the running prior of all requests' past confidences (0.5 before any) and lag 1."""
         hist = self.slots[slot].conf_history
         if len(hist) >= 2:
-            return hist[-2]
-        return self._conf_prior
+            step, conf = hist[-2]
+            return conf, self._host_steps + ahead - step
+        return self._conf_prior, 1
 
     def _step(self) -> Optional[StepStats]:
         t0 = time.perf_counter()
         admitted = self._admit()
         if self.num_active == 0:
             return None
+        self._host_steps += 1
         policy = self.config.scheduler.policy
         if policy == "none":
             return self._plain_step(t0)
@@ -205,7 +213,7 @@ class HostLoopMixin:
         tb = time.perf_counter()
         want = True
         if self.config.scheduler.policy == "production":
-            self._next_budget = self._production_budget()
+            self._next_budget = self._production_budget(ahead=1)
             want = self._next_budget > 0
         overlap_s = time.perf_counter() - tb
         if want:

@@ -213,6 +213,7 @@ class _Live:
     prompt_done: int = 0  # prompt tokens fed so far
     generated: int = 0
     verify_steps: int = 0
+    # production (host loop): (host step, drafted confidences [γ]) of its latest drafting steps
     conf_history: collections.deque = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=3))
 
