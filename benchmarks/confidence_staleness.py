@@ -17,7 +17,15 @@ over all pairs ``(S_t, S_{t+k})`` of one request:
 * ``mse_mean``: by the mean of all steps' ``S`` (a running prior; in-sample, so slightly
   flattered);
 * ``mse_shrunk``: by ``mean + corr · (S_t − mean)`` (the stale value shrunk towards the mean by
-  the lag's correlation; in-sample too).
+  the lag's correlation; in-sample too);
+* ``mse_decay``: by the ``S`` of the production policy's input at ``SchedulerConfig``'s default
+  ``stale_decay`` ρ: the drafted vector shrunk by ``ρ^lag`` towards the prior whose survivals
+  are the mean of all steps' (:func:`specjax.scheduling.shrink_stale`, in survival space, so
+  its ``S`` is ``mean + ρ^lag · (S_t − mean)``; in-sample again).
+
+Per temperature, ``decay_fit`` gives the pooled MSE over the lags of that rule for ρ on a grid
+and the ρ that minimises it (each lag weighted equally); ``best_decay_pooled`` minimises the MSE
+summed over the temperatures, the figure ``SchedulerConfig.stale_decay``'s default comes from.
 
 Run:
     python -m benchmarks.confidence_staleness --target <quickstart dir>/target-<key> \\
@@ -40,31 +48,80 @@ from specjax.machine import cpu_model
 from specjax.paths import portable_values
 
 
-def lag_table(seqs: list[np.ndarray], lags) -> list[dict]:
-    """Per lag: pairs ``(S_t, S_{t+lag})`` within each sequence of ``seqs``; the module
-    docstring's columns. Lags with fewer than 3 pairs are left out."""
-    mu = float(np.mean(np.concatenate(seqs)))
+DECAY_GRID = tuple(np.round(np.linspace(0.0, 1.0, 21), 2).tolist())
+
+
+def survival_sum(conf: np.ndarray) -> np.ndarray:
+    """``S = Σ_j Π_{i≤j} c_i`` of confidence vectors ``[..., γ]``."""
+    return np.cumprod(conf, axis=-1).sum(axis=-1)
+
+
+def _pairs(vecs: list[np.ndarray], k: int):
+    """Vectors ``[N, γ]`` at ``t`` and ``t + k`` within each sequence, or None if none."""
+    pairs = [(v[:-k], v[k:]) for v in vecs if len(v) > k]
+    if not pairs:
+        return None
+    return np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs])
+
+
+def _prior(vecs: list[np.ndarray]) -> np.ndarray:
+    """The confidences whose survivals are the mean of all steps' (the policy's running prior,
+    here in-sample)."""
+    from specjax.scheduling import confidences_from_survival
+    return confidences_from_survival(np.cumprod(np.concatenate(vecs), axis=1).mean(axis=0))
+
+
+def _mse_decay(x: np.ndarray, y_s: np.ndarray, prior: np.ndarray, k: int, decay: float) -> float:
+    from specjax.scheduling import shrink_stale
+    pred = shrink_stale(x, prior, np.full(len(x), k), decay)
+    return float(np.mean((y_s - survival_sum(pred)) ** 2))
+
+
+def lag_table(vecs: list[np.ndarray], lags, decay: float) -> list[dict]:
+    """Per lag: pairs ``(S_t, S_{t+lag})`` within each sequence of confidence vectors ``vecs``
+    (``[steps, γ]`` each); the module docstring's columns. Lags with fewer than 3 pairs are left
+    out."""
+    prior = _prior(vecs)
+    mu = float(np.mean(survival_sum(np.concatenate(vecs))))
     rows = []
     for k in lags:
-        pairs = [(s[:-k], s[k:]) for s in seqs if len(s) > k]
-        if not pairs:
+        got = _pairs(vecs, k)
+        if got is None:
             continue
-        x = np.concatenate([p[0] for p in pairs])
-        y = np.concatenate([p[1] for p in pairs])
+        xv, yv = got
+        x, y = survival_sum(xv), survival_sum(yv)
         if len(x) < 3 or np.std(x) == 0 or np.std(y) == 0:
             continue
         rho = float(np.corrcoef(x, y)[0, 1])
         rows.append({"lag": int(k), "pairs": int(len(x)), "corr": rho,
                      "mse_stale": float(np.mean((y - x) ** 2)),
                      "mse_mean": float(np.mean((y - mu) ** 2)),
-                     "mse_shrunk": float(np.mean((y - mu - rho * (x - mu)) ** 2))})
+                     "mse_shrunk": float(np.mean((y - mu - rho * (x - mu)) ** 2)),
+                     "mse_decay": _mse_decay(xv, y, prior, k, decay)})
     return rows
+
+
+def decay_fit(vecs: list[np.ndarray], lags, grid=DECAY_GRID) -> dict:
+    """Pooled MSE (mean over ``lags``, each lag weighted equally) of predicting ``S_{t+lag}`` by
+    the drafted vector shrunk by ``ρ^lag``, for each ρ of ``grid``; and the best ρ."""
+    prior = _prior(vecs)
+    per_lag = []
+    for k in lags:
+        got = _pairs(vecs, k)
+        if got is not None and len(got[0]) >= 3:
+            per_lag.append((k, got[0], survival_sum(got[1])))
+    if not per_lag:
+        return {}
+    mse = [float(np.mean([_mse_decay(x, y, prior, k, r) for k, x, y in per_lag])) for r in grid]
+    return {"grid": list(grid), "mse": mse, "best": grid[int(np.argmin(mse))],
+            "lags": [k for k, _, _ in per_lag]}
 
 
 def run(args) -> dict:
     from specjax.engine import Engine, EngineConfig, Request
     from specjax.scheduling import SchedulerConfig
     target, drafter, params, frozen, gamma, prompts = load_models(args, kind="dspark")
+    decay = SchedulerConfig("production").stale_decay
 
     class Recording(Engine):
         """Records each step's confidences of the one active slot."""
@@ -92,17 +149,27 @@ def run(args) -> dict:
             eng.generate(reqs)
             by_req: dict = {}
             for rid, c in eng.seen:
-                by_req.setdefault(rid, []).append(float(np.cumprod(c).sum()))
-            seqs += [np.asarray(v) for v in by_req.values()]
-        flat = np.concatenate(seqs)
+                by_req.setdefault(rid, []).append(np.asarray(c, np.float64))
+            seqs += [np.stack(v) for v in by_req.values()]
+        flat = survival_sum(np.concatenate(seqs))
         cell = {"temperature": t, "requests": len(seqs), "steps": int(flat.size),
                 "mean_s": float(flat.mean()), "sd_s": float(flat.std()),
-                "lags": lag_table(seqs, args.lags)}
+                "lags": lag_table(seqs, args.lags, decay),
+                "decay_fit": decay_fit(seqs, args.lags)}
         cells.append(cell)
         for r in cell["lags"]:
             print(f"T={t:g} lag {r['lag']:2d}: corr {r['corr']:.2f}  MSE stale {r['mse_stale']:.3f}"
-                  f"  mean {r['mse_mean']:.3f}  shrunk {r['mse_shrunk']:.3f}  ({r['pairs']} pairs)")
+                  f"  mean {r['mse_mean']:.3f}  shrunk {r['mse_shrunk']:.3f}  decay "
+                  f"{r['mse_decay']:.3f}  ({r['pairs']} pairs)")
+        print(f"T={t:g} best stale_decay {cell['decay_fit'].get('best')}")
+    fits = [c["decay_fit"] for c in cells if c["decay_fit"]]
+    pooled = None
+    if fits:  # the ρ with the least MSE summed over the temperatures
+        total = np.sum([f["mse"] for f in fits], axis=0)
+        pooled = fits[0]["grid"][int(np.argmin(total))]
+        print(f"best stale_decay over the temperatures: {pooled}")
     return {"machine": f"{cpu_model() or platform.machine()}", "gamma": gamma,
+            "stale_decay": decay, "best_decay_pooled": pooled,
             "args": portable_values(vars(args)), "cells": cells}
 
 
@@ -113,9 +180,11 @@ def plot(result: dict, png: str) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4))
     for i, c in enumerate(result["cells"]):
         lags = [r["lag"] for r in c["lags"]]
-        for key, style in (("mse_stale", "-o"), ("mse_mean", "--"), ("mse_shrunk", ":s")):
+        for key, style in (("mse_stale", "-o"), ("mse_mean", "--"), ("mse_shrunk", ":s"),
+                           ("mse_decay", "-.^")):
             ax.plot(lags, [r[key] for r in c["lags"]], style, color=f"C{i}",
-                    label=f"T={c['temperature']:g} {key[4:]}")
+                    label=f"T={c['temperature']:g} {key[4:]}"
+                    + (f" ρ={result['stale_decay']:g}" if key == "mse_decay" else ""))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("age of the drafted confidences (steps)")
     ax.set_ylabel("MSE predicting Σ survival now")

@@ -17,7 +17,13 @@ an earlier run wrote). ``--quick`` compiles nothing and uses a small synthetic p
 Writes ``sim.json`` (every cell), ``sim.md`` (tables and the answers below) and ``sim.png``
 (throughput vs per-user speed, one curve per policy) into ``--out``. The answers: at which
 concurrency fixed-K speculation falls below no speculation, and whether dspark and production stay
-at or above it.
+at or above it. ``production ρ=1`` is the production form with its stale confidences read as
+drafted, however old (``SchedulerConfig.stale_decay = 1``), beside the default's decay.
+
+``--reports`` re-simulates from the compile reports of an earlier ``sim.json`` (no compilation)::
+
+    python -m experiments.scheduler_sim --reports experiments/results/sched_sim/sim.json \
+        --out experiments/results/sched_sim
 
 What the roofline leaves out (so these are lower bounds on step time, and the SPS *shape* is what
 matters): collectives, kernel efficiency, the host. The compiled program holds ``--slots`` slots
@@ -131,10 +137,15 @@ def synthetic_profile(max_tokens: int) -> SPSProfile:
                       "synthetic", 0.002)
 
 
+HELD = "production ρ=1"  # the row of SchedulerConfig("production", stale_decay=1.0)
+
+
 def policies(gamma: int) -> list[SchedulerConfig]:
     fixed = [k for k in (1, 2, 3, 4, 7) if k <= gamma]
     return ([SchedulerConfig("none")] + [SchedulerConfig("fixed", k=k) for k in fixed]
-            + [SchedulerConfig("dspark"), SchedulerConfig("production")])
+            + [SchedulerConfig("dspark"), SchedulerConfig("production"),
+               # the production form reading its stale confidences as drafted, however old
+               SchedulerConfig("production", stale_decay=1.0)])
 
 
 def answers(rows: list[dict]) -> dict:
@@ -155,6 +166,8 @@ def answers(rows: list[dict]) -> dict:
             "best_fixed": best_p, "best_fixed_vs_none": fixed[best_p] / t["none"],
             "dspark_vs_best_static": t["dspark"] / base,
             "production_vs_best_static": t["production"] / base}
+        if HELD in t:
+            out["per_concurrency"][c]["production_held_vs_best_static"] = t[HELD] / base
         if fixed[best_p] < t["none"] and out["fixed_below_none_from"] is None:
             out["fixed_below_none_from"] = c
     return out
@@ -184,11 +197,15 @@ def markdown(rows: list[dict], ans: dict, profile: SPSProfile, meta: dict) -> st
               " | ".join(f"C={c}" for c in cs) + " |", "|---|" + "---|" * len(cs)]
     for p in pols:
         lines.append(f"| {p} | " + " | ".join(f"{cell[(p, c)]['tau']:.2f}" for c in cs) + " |")
+    held = any("production_held_vs_best_static" in a for a in ans["per_concurrency"].values())
     lines += ["", "| C | best fixed K | best fixed / none | dspark / max(none, best fixed) | "
-              "production / max(none, best fixed) |", "|---|---|---|---|---|"]
+              "production / max(none, best fixed) |"
+              + (f" {HELD} / max(none, best fixed) |" if held else ""),
+              "|---|---|---|---|---|" + ("---|" if held else "")]
     for c, a in ans["per_concurrency"].items():
         lines.append(f"| {c} | {a['best_fixed']} | {a['best_fixed_vs_none']:.3f} | "
-                     f"{a['dspark_vs_best_static']:.3f} | {a['production_vs_best_static']:.3f} |")
+                     f"{a['dspark_vs_best_static']:.3f} | {a['production_vs_best_static']:.3f} |"
+                     + (f" {a['production_held_vs_best_static']:.3f} |" if held else ""))
     f = ans["fixed_below_none_from"]
     lines += ["", f"Fixed-K speculation falls below no speculation from C = {f}." if f else
               f"Fixed-K speculation stays above no speculation up to C = {cs[-1]}."]
@@ -203,7 +220,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     for p in dict.fromkeys(r["policy"] for r in rows):
         pts = sorted((r["concurrency"], r["per_user"], r["throughput"]) for r in rows
                      if r["policy"] == p)
-        style = "-o" if p in ("dspark", "production", "none") else "--."
+        style = "-o" if p in ("dspark", "production", "none") else ":x" if p == HELD else "--."
         ax.plot([x[1] for x in pts], [x[2] for x in pts], style, label=p, ms=4)
         if p == "none":
             for c, u, t in pts:

@@ -288,8 +288,13 @@ def test_loop_profile_self_times_take_nested_events_off_their_parent():
     ("benchmarks.confidence_staleness", [], lambda r: [c["temperature"] for c in r["cells"]]
      == [0.0, 1.0] and all(c["requests"] == 2 and c["steps"] > 2 for c in r["cells"])
      and [x["lag"] for x in r["cells"][0]["lags"]] == [1, 2]
-     and all(-1 <= x["corr"] <= 1 and min(x["mse_stale"], x["mse_mean"], x["mse_shrunk"]) >= 0
-             for c in r["cells"] for x in c["lags"])),
+     and all(-1 <= x["corr"] <= 1 and min(x["mse_stale"], x["mse_mean"], x["mse_shrunk"],
+                                           x["mse_decay"]) >= 0
+             for c in r["cells"] for x in c["lags"])
+     # the fit's grid runs from the prior alone (0) to the stale vector as it is (1)
+     and all(c["decay_fit"]["grid"][0] == 0 and c["decay_fit"]["grid"][-1] == 1
+             and c["decay_fit"]["best"] in c["decay_fit"]["grid"] for c in r["cells"])
+     and r["best_decay_pooled"] in r["cells"][0]["decay_fit"]["grid"]),
     # the MTP draft step now and as it was emit the same tokens; each cut counts fewer FLOPs
     ("benchmarks.mtp_window", [], lambda r: [d["window"] for d in r["drafters"].values()]
      == [4, 4, 6] and r["drafters"]["speculative"]["propose_flops"]

@@ -1335,3 +1335,22 @@ def test_quoted_confidence_staleness_matches_its_results():
     ranges = " / ".join(f"{min(x[k]['mse_shrunk'] for k in (1, 2, 4, 8)):.2f}-"
                         f"{max(x[k]['mse_shrunk'] for k in (1, 2, 4, 8)):.2f}" for x in lag)
     assert f"up to lag 8 ({ranges})" in flat
+    # what production reads: the decay the JSON was measured at is the default, and the best
+    from specjax.scheduling import SchedulerConfig
+    decay = SchedulerConfig("production").stale_decay
+    assert res["stale_decay"] == decay == res["best_decay_pooled"]
+    assert f"(`SchedulerConfig.stale_decay`, default {decay:g};" in flat
+    for x in lag:  # below both the stale value and the mean at every lag
+        assert all(r["mse_decay"] < min(r["mse_stale"], r["mse_mean"]) for r in x.values())
+    ranges = " / ".join(f"{min(r['mse_decay'] for r in x.values()):.2f}-"
+                        f"{max(r['mse_decay'] for r in x.values()):.2f}" for x in lag)
+    assert f"every lag ({ranges} over lags 1-16)" in flat
+    fits = [c["decay_fit"] for c in res["cells"]]
+    assert all(f["lags"] == [1, 2, 4, 8, 16] for f in fits)
+
+    def at(rho):
+        return " / ".join(f"{f['mse'][f['grid'].index(rho)]:.3f}" for f in fits)
+    assert (f"averaged over the five lags it is {at(decay)}, against {at(1.0)} for the vector "
+            f"as drafted (ρ = 1) and {at(0.0)} for the prior alone (ρ = 0)") in flat
+    best = " / ".join(f"{f['best']:g}" for f in fits)
+    assert f"least at {best} (T = 0 / 1)" in flat
