@@ -101,6 +101,10 @@ def _add_model_flags(p: argparse.ArgumentParser, *, slots: int, temperature: boo
     p.add_argument("--k", type=int, default=None, help="--policy fixed: drafts verified (≤ γ; "
                    "default γ)")
     p.add_argument("--threshold", type=float, default=0.5, help="--policy threshold")
+    p.add_argument("--stale-decay", type=float, default=None,
+                   help="--policy production: its stale confidences shrink towards the running "
+                        "prior by this factor per step of age (1 = read as drafted; default: "
+                        "SchedulerConfig's, see docs/SERVING.md)")
     p.add_argument("--tokenizer", help="tokenizer.json for text prompts (default: the target's)")
     p.add_argument("--prepend-eos", action=argparse.BooleanOptionalAction, default=None,
                    help="start text prompts with EOS (default: on for specjax targets, whose "
@@ -200,7 +204,7 @@ def main(argv: Optional[list] = None, stdin: TextIO = sys.stdin,
                                prepend_eos=args.prepend_eos, seed=args.seed)
         config = cli_load.engine_config(
             loaded, policy=args.policy, method=args.method, gamma=args.gamma, k=args.k,
-            threshold=args.threshold, slots=args.slots, max_len=args.max_len, seed=args.seed,
+            threshold=args.threshold, stale_decay=args.stale_decay, slots=args.slots, max_len=args.max_len, seed=args.seed,
             sps_cache=args.sps_cache, profile_reps=args.profile_reps,
             filters=args.command == "serve", prefill_buckets=args.prefill_buckets,
             token_buckets=args.token_buckets, loop=args.loop, loop_steps=args.loop_steps,

@@ -180,7 +180,7 @@ def load(*, hf_dir: Optional[str] = None, target_workdir: Optional[str] = None,
 
 def engine_config(loaded: Loaded, *, policy: str, method: str = "rejection",
                   gamma: Optional[int] = None, k: Optional[int] = None, threshold: float = 0.5,
-                  slots: int = 8, max_len: int = 512, seed: int = 0,
+                  stale_decay: Optional[float] = None, slots: int = 8, max_len: int = 512, seed: int = 0,
                   sps_cache: Optional[str] = None, profile_reps: int = 5, filters: bool = True,
                   prefill_buckets="16,64,256", token_buckets=None, loop: str = "device",
                   loop_steps: int = 16, online_calibration: bool = False,
@@ -188,6 +188,7 @@ def engine_config(loaded: Loaded, *, policy: str, method: str = "rejection",
     """An :class:`~specjax.engine.EngineConfig` for the loaded drafter, or :class:`LoadError`.
 
     ``gamma`` defaults to the drafter's trained γ; ``k`` (policy "fixed") defaults to γ.
+    ``stale_decay`` (policy "production"): ``SchedulerConfig.stale_decay``; None: its default.
     ``filters=False`` compiles without top-k / top-p support (temperature-only requests, faster).
     ``prefill_buckets`` / ``token_buckets``: compiled prompt chunk sizes / verification batch
     sizes, sequences or comma-separated strings (``token_buckets=None``: the engine's default).
@@ -218,12 +219,16 @@ def engine_config(loaded: Loaded, *, policy: str, method: str = "rejection",
         raise LoadError(f"--k must be in [1, gamma={gamma}] for --policy fixed, got {k}")
     if not 0 <= threshold <= 1:
         raise LoadError(f"--threshold must be in [0, 1], got {threshold}")
+    stale_decay = SchedulerConfig.stale_decay if stale_decay is None else stale_decay
+    if not 0 <= stale_decay <= 1:
+        raise LoadError(f"--stale-decay must be in [0, 1], got {stale_decay}")
     try:
         prefill_buckets = _ints(prefill_buckets)
         token_buckets = None if token_buckets is None else _ints(token_buckets)
         row_buckets = parse_row_buckets(row_buckets) if loop == "device" else ()
         return EngineConfig(num_slots=slots, max_len=max_len, gamma=gamma, method=method,
-                            scheduler=SchedulerConfig(policy, k=k, threshold=threshold), seed=seed,
+                            scheduler=SchedulerConfig(policy, k=k, threshold=threshold,
+                                                      stale_decay=stale_decay), seed=seed,
                             prefill_buckets=prefill_buckets, token_buckets=token_buckets,
                             sps_cache=sps_cache, profile_reps=profile_reps, filters=filters,
                             loop=loop, loop_steps=loop_steps,

@@ -56,11 +56,24 @@ def test_serve_hf_checkpoint_ngram_jsonl_roundtrip(tmp_path):
     (["--policy", "fixed", "--online-calibration"], "does not read"),
     (["--slots", 2, "--row-buckets", "1,2"], "row_buckets must lie in [1, num_slots)"),
     (["--row-buckets", "half"], "row buckets must be 'auto', 'none' or comma-separated"),
+    (["--stale-decay", 1.5], "--stale-decay must be in [0, 1], got 1.5"),
 ])
 def test_bad_combinations_fail_clearly(argv, message, capsys):
     rc, _ = _main(["serve", "--preset", "tiny"] + argv)
     assert rc == 2
     assert message in capsys.readouterr().err
+
+
+def test_stale_decay_reaches_the_engine_config():
+    """``--stale-decay`` is production's ``SchedulerConfig.stale_decay``; left out, the default."""
+    from specjax import cli_load
+    from specjax.scheduling import SchedulerConfig
+    assert cli.parser().parse_args(["serve", "--stale-decay", "0.5"]).stale_decay == 0.5
+    loaded = cli_load.load(preset="tiny", drafter="ngram")
+    cfg = cli_load.engine_config(loaded, policy="fixed", stale_decay=0.5)
+    assert cfg.scheduler.stale_decay == 0.5
+    default = cli_load.engine_config(loaded, policy="fixed").scheduler.stale_decay
+    assert default == SchedulerConfig.stale_decay != 0.5
 
 
 def test_version_names_the_stack_and_the_backend(capsys):
