@@ -1340,6 +1340,8 @@ def test_quoted_confidence_staleness_matches_its_results():
     decay = SchedulerConfig("production").stale_decay
     assert res["stale_decay"] == decay == res["best_decay_pooled"]
     assert f"(`SchedulerConfig.stale_decay`, default {decay:g};" in flat
+    readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    assert f"`--stale-decay` (default {decay:g})" in readme
     for x in lag:  # below both the stale value and the mean at every lag
         assert all(r["mse_decay"] < min(r["mse_stale"], r["mse_mean"]) for r in x.values())
     ranges = " / ".join(f"{min(r['mse_decay'] for r in x.values()):.2f}-"
