@@ -33,11 +33,15 @@ Run:
     python -m benchmarks.confidence_staleness --quick   # random tiny target, fresh DSpark drafter
 
 Writes ``--out`` (JSON, default ``benchmarks/results/confidence_staleness.json``; ``--quick``: a
-file in the temp directory) and a PNG beside it.
+file in the temp directory), a PNG beside it and ``<out>_traces.npz``: per temperature
+(``T0/...``, ``T1/...``) each step that verified all γ drafts, request by request in order
+(``request``, ``confidences``, ``num_accepted``), which ``experiments.scheduler_sim --traces FILE
+--sequential`` replays step by step.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 
 import numpy as np
@@ -124,8 +128,10 @@ def run(args) -> dict:
     decay = SchedulerConfig("production").stale_decay
 
     class Recording(Engine):
-        """Records each step's confidences of the one active slot."""
+        """Records each step's confidences of the one active slot, and with them the drafts
+        the step verified and accepted."""
         seen: list = []
+        verified: list = []
 
         def _host_confidences(self, draft):
             conf = super()._host_confidences(draft)
@@ -134,23 +140,36 @@ def run(args) -> dict:
                 self.seen.append((self.slots[live].request.seed, conf[live].copy()))
             return conf
 
+        def _step(self):
+            n = len(self.seen)
+            stats = super()._step()
+            if stats is not None and len(self.seen) > n:
+                self.verified.append((stats.drafts_verified, stats.accepted))
+            return stats
+
     cfg = EngineConfig(num_slots=1, max_len=args.prompt_len + args.new_tokens + gamma + 2,
                        gamma=gamma, prefill_buckets=(args.prompt_len,), filters=False,
                        loop="host", scheduler=SchedulerConfig("threshold", threshold=0.0))
     eng = Recording(target, drafter, params, frozen, cfg)
     eng.warmup(profile=False)
-    cells = []
+    cells, traces = [], {}
     for t in args.temperatures:
-        seqs = []
+        seqs, rec = [], []  # rec: (request, confidences, accepted) of steps verifying all γ
         for d in args.domains:
-            eng.seen = []
+            eng.seen, eng.verified = [], []
             reqs = [Request(prompt=p, max_new_tokens=args.new_tokens, temperature=t, seed=i)
                     for i, p in enumerate(prompts[d])]
             eng.generate(reqs)
+            assert len(eng.verified) == len(eng.seen)  # one record per drafting step
             by_req: dict = {}
-            for rid, c in eng.seen:
+            for (rid, c), (n_ver, n_acc) in zip(eng.seen, eng.verified):
                 by_req.setdefault(rid, []).append(np.asarray(c, np.float64))
+                if n_ver == gamma:  # a request's last steps verify fewer: not a full record
+                    rec.append((len(seqs) + list(by_req).index(rid), c, n_acc))
             seqs += [np.stack(v) for v in by_req.values()]
+        traces[f"T{t:g}/request"] = np.asarray([r[0] for r in rec], np.int32)
+        traces[f"T{t:g}/confidences"] = np.asarray([r[1] for r in rec], np.float32)
+        traces[f"T{t:g}/num_accepted"] = np.asarray([r[2] for r in rec], np.int16)
         flat = survival_sum(np.concatenate(seqs))
         cell = {"temperature": t, "requests": len(seqs), "steps": int(flat.size),
                 "mean_s": float(flat.mean()), "sd_s": float(flat.std()),
@@ -170,7 +189,7 @@ def run(args) -> dict:
         print(f"best stale_decay over the temperatures: {pooled}")
     return {"machine": f"{cpu_model() or platform.machine()}", "gamma": gamma,
             "stale_decay": decay, "best_decay_pooled": pooled,
-            "args": portable_values(vars(args)), "cells": cells}
+            "args": portable_values(vars(args)), "cells": cells, "_traces": traces}
 
 
 def plot(result: dict, png: str) -> None:
@@ -213,7 +232,13 @@ def main(argv=None) -> dict:
         args.domains, args.prompts, args.new_tokens, args.prompt_len = ["math"], 2, 12, 8
         args.lags = [1, 2]
     result = run(args)
-    write_results(args, "confidence_staleness", result, plot)
+    traces = result.pop("_traces")
+    out = write_results(args, "confidence_staleness", result, plot)
+    # the recorded steps, request by request: specjax.sched_sim.Traces.load, and
+    # experiments.scheduler_sim --traces FILE --sequential
+    path = os.path.splitext(out)[0] + "_traces.npz"
+    np.savez_compressed(path, **traces)
+    print(f"-> {path}")
     return result
 
 

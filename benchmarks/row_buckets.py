@@ -194,9 +194,9 @@ def check_load_args(p: argparse.ArgumentParser, args) -> None:
         args.prompt_len, args.loop_steps = 8, 4
 
 
-def write_results(args, name: str, result: dict, plot_fn) -> None:
+def write_results(args, name: str, result: dict, plot_fn) -> str:
     """``result`` to ``--out`` (default ``benchmarks/results/<name>.json``; ``--quick``: the temp
-    directory) and ``plot_fn(result, png)`` beside it."""
+    directory) and ``plot_fn(result, png)`` beside it. Returns the JSON's path."""
     out = args.out or (
         os.path.join(tempfile.gettempdir(), "specjax_quick", f"{name}.json") if args.quick
         else os.path.join("benchmarks", "results", f"{name}.json"))
@@ -204,6 +204,7 @@ def write_results(args, name: str, result: dict, plot_fn) -> None:
     png = os.path.splitext(out)[0] + ".png"
     plot_fn(result, png)
     print(f"-> {out}, {png}")
+    return out
 
 
 def main(argv=None) -> dict:

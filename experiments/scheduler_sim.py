@@ -33,14 +33,16 @@ whole cache window: the figures are for a server provisioned for ``--slots`` req
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
+import statistics
 import textwrap
 import time
 
 from specjax.buckets import SPSProfile
-from specjax.sched_sim import Traces, sweep
+from specjax.sched_sim import SimResult, Traces, sweep
 from specjax.scheduling import SchedulerConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,7 +139,39 @@ def synthetic_profile(max_tokens: int) -> SPSProfile:
                       "synthetic", 0.002)
 
 
+def calibrated(traces: Traces):
+    """``(traces with STS-calibrated confidences, the fit)``: Sequential Temperature Scaling
+    (:mod:`specjax.calibration`) fitted on these traces' own verifier decisions (every draft of
+    a recorded step was verified, so draft k was accepted iff ``k < num_accepted``). In-sample:
+    the replay then sees confidences calibrated on the steps it replays, the best a head
+    calibrated on held-out data could hope for."""
+    import numpy as np
+
+    from specjax import calibration as C
+    conf = np.clip(np.asarray(traces.confidences, np.float64), 1e-7, 1 - 1e-7)
+    logits = np.log(conf) - np.log1p(-conf)
+    acc = np.arange(traces.gamma)[None, :] < np.asarray(traces.num_accepted)[:, None]
+    sts = C.sequential_temperature_scaling(logits, acc)
+    return dataclasses.replace(traces, confidences=sts.apply(logits)), sts
+
+
 HELD = "production ρ=1"  # the row of SchedulerConfig("production", stale_decay=1.0)
+REP_SEED = 1000  # repetition i draws with seed + REP_SEED * i
+
+
+def pooled(cells) -> SimResult:
+    """One (policy, concurrency) cell over repetitions: steps, tokens and seconds summed."""
+    first = cells[0]
+    return dataclasses.replace(
+        first, steps=sum(c.steps for c in cells), tokens=sum(c.tokens for c in cells),
+        seconds=sum(c.seconds for c in cells),
+        verified_drafts=sum(c.verified_drafts for c in cells),
+        drafting_steps=sum(c.drafting_steps for c in cells))
+
+
+def _ratio(cells, a: str, b: str) -> float:
+    by = {c.policy: c.throughput for c in cells}
+    return by[a] / by[b]
 
 
 def policies(gamma: int) -> list[SchedulerConfig]:
@@ -180,7 +214,13 @@ def markdown(rows: list[dict], ans: dict, profile: SPSProfile, meta: dict) -> st
     lines = ["# Scheduling policies at TPU economics (simulation)\n",
              f"SPS profile: {profile.key}; buckets {list(profile.buckets)}; drafting "
              f"{1e3 * profile.draft_s:.2f} ms. Traces: {meta['traces']} ({meta['n_traces']} "
-             f"recorded steps, γ = {meta['gamma']}). {meta['steps']} simulated steps per cell.\n",
+             f"recorded steps, γ = {meta['gamma']}). {meta['steps']} simulated steps per cell"
+             + (f" in each of {meta['reps']} repetitions" if meta.get("reps", 1) > 1 else "")
+             + ("; each request replays recorded requests step by step" if meta.get("sequential")
+                else "; recorded steps drawn independently")
+             + ("; confidences STS-calibrated in-sample, temperatures "
+                + ", ".join(f"{x:.2f}" for x in meta["sts_temperatures"])
+                if meta.get("sts_temperatures") else "") + ".\n",
              *(["Verification step time (ms) per bucket, by concurrency (each C has its own "
                 "profile): " + "; ".join(f"C={c}: {v}" for c, v in
                                           meta["step_ms_per_concurrency"].items()) + "\n"]
@@ -206,6 +246,13 @@ def markdown(rows: list[dict], ans: dict, profile: SPSProfile, meta: dict) -> st
         lines.append(f"| {c} | {a['best_fixed']} | {a['best_fixed_vs_none']:.3f} | "
                      f"{a['dspark_vs_best_static']:.3f} | {a['production_vs_best_static']:.3f} |"
                      + (f" {a['production_held_vs_best_static']:.3f} |" if held else ""))
+    reps = {c: a["production_vs_held_reps"] for c, a in ans["per_concurrency"].items()
+            if "production_vs_held_reps" in a}
+    if reps:
+        lines += ["", f"production / {HELD} in each of the {meta['reps']} repetitions (median; "
+                  "min-max):\n"] + [
+            f"- C={c}: {statistics.median(r):.3f} ({min(r):.3f}-{max(r):.3f})"
+            for c, r in reps.items()]
     f = ans["fixed_below_none_from"]
     lines += ["", f"Fixed-K speculation falls below no speculation from C = {f}." if f else
               f"Fixed-K speculation stays above no speculation up to C = {cs[-1]}."]
@@ -252,7 +299,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile", default=None, help="an SPS profile JSON instead of compiling")
     ap.add_argument("--concurrency", default=None, help="e.g. 1,2,4 (default: powers of two up "
                                                          "to --slots)")
+    ap.add_argument("--sequential", action="store_true",
+                    help="replay recorded requests step by step (traces with request ids, e.g. "
+                         "benchmarks.confidence_staleness's) instead of independent steps")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="rescale the traces' confidences by Sequential Temperature Scaling "
+                         "fitted on the same traces (in-sample) before replaying them")
     ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--reps", type=int, default=1,
+                    help="repetitions with other draws (seed + 1000 i); a cell's tokens and "
+                         "seconds are summed over them, and the answers keep each one's "
+                         "production / production ρ=1 ratio")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="synthetic profile, few steps")
     ap.add_argument("--cache_read_once", type=int, default=0, metavar="CONTEXT",
@@ -263,7 +320,14 @@ def main(argv=None) -> dict:
                     help="sim.json of a compiled run: reuse its compile reports")
     ap.add_argument("--out", default=os.path.join("experiments", "results", "sched_sim"))
     args = ap.parse_args(argv)
+    if args.reps < 1:
+        ap.error(f"--reps must be >= 1, got {args.reps}")
     traces = Traces.load(args.traces)
+    if args.sequential and traces.request is None:
+        ap.error(f"--sequential needs traces that record their requests; {args.traces} does not")
+    sts = None
+    if args.calibrate:
+        traces, sts = calibrated(traces)
     os.makedirs(args.out, exist_ok=True)
     reports = []
     per_c = None
@@ -294,17 +358,26 @@ def main(argv=None) -> dict:
     if args.cache_read_once:
         per_c = cache_once_profiles(reports, args.target, args.topology, cs,
                                     context=args.cache_read_once)
-    results = []
+    results, held_reps = [], {}
     for c in cs:  # fixed K needs C (K + 1) tokens: drop the K that do not fit the buckets
         prof = per_c[c] if per_c else profile
         ok = [p for p in policies(traces.gamma)
               if p.policy != "fixed" or c * (p.k + 1) <= prof.max_tokens]
-        results += sweep(traces, ok, prof, [c], steps=args.steps, seed=args.seed)
+        reps = [sweep(traces, ok, prof, [c], steps=args.steps, seed=args.seed + REP_SEED * i,
+                      sequential=args.sequential) for i in range(args.reps)]
+        results += [pooled(cells) for cells in zip(*reps)]
+        held_reps[c] = [_ratio(cells, "production", HELD) for cells in reps]
     rows = [r.to_dict() for r in results]
     ans = answers(rows)
+    if args.reps > 1:  # each repetition's paired ratio, beside the pooled one
+        for c, ratios in held_reps.items():
+            if c in ans["per_concurrency"]:
+                ans["per_concurrency"][c]["production_vs_held_reps"] = ratios
     meta = {"traces": os.path.relpath(os.path.abspath(args.traces), REPO),
             "n_traces": int(traces.num_accepted.size), "gamma": traces.gamma,
-            "steps": args.steps, "seed": args.seed,
+            "steps": args.steps, "seed": args.seed, "reps": args.reps,
+            "sequential": args.sequential,
+            "sts_temperatures": None if sts is None else [float(x) for x in sts.temperatures],
             "command": "python -m experiments.scheduler_sim " + " ".join(argv or [])}
     out = {"simulation": True, "profile": profile.to_dict(), "meta": meta, "rows": rows,
            "answers": ans, "compile_reports": reports}

@@ -16,7 +16,9 @@ verification.
 One simulated step (C requests, all decoding; no admission, no finishing):
 
 1. each request draws a recorded step uniformly at random (steps of one request are independent
-   here, which ignores the correlation of consecutive steps of one text);
+   here, which ignores the correlation of consecutive steps of one text), or, with
+   ``sequential=True`` and traces that know their requests, replays a recorded request's steps
+   in order;
 2. the policy picks ℓ_r from the confidences (the production policy from its own history of
    confidences two drafting steps old, as the engine's host loop does, shrunk towards the
    running prior by their age, ``SchedulerConfig.stale_decay``);
@@ -44,10 +46,15 @@ class Traces:
     """Recorded verification steps of one drafter.
 
     num_accepted: int ``[N]`` drafts accepted with all γ verified; confidences: float ``[N, γ]``.
+    request: optional int ``[N]``: which served request each step belongs to, the steps of one
+      request contiguous and in the order they ran (``benchmarks/confidence_staleness.py``
+      records such traces); it lets :func:`simulate` replay requests step by step
+      (``sequential=True``).
     """
 
     num_accepted: np.ndarray
     confidences: np.ndarray
+    request: Optional[np.ndarray] = None
 
     def __post_init__(self):
         n, c = np.asarray(self.num_accepted), np.asarray(self.confidences)
@@ -56,6 +63,21 @@ class Traces:
                              f"{n.shape} and {c.shape}")
         if n.min() < 0 or n.max() > c.shape[1]:
             raise ValueError(f"num_accepted must lie in [0, γ={c.shape[1]}]")
+        if self.request is not None:
+            r = np.asarray(self.request)
+            if r.shape != n.shape:
+                raise ValueError(f"request must be [N] = {n.shape}, got {r.shape}")
+            starts = r[np.r_[True, r[1:] != r[:-1]]]
+            if len(np.unique(starts)) != len(starts):
+                raise ValueError("each request's steps must be contiguous")
+
+    def request_spans(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(start, length)`` int ``[R]`` of each recorded request's run of steps."""
+        if self.request is None:
+            raise ValueError("these traces do not record which request each step belongs to")
+        r = np.asarray(self.request)
+        start = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])
+        return start, np.diff(np.r_[start, r.size])
 
     @property
     def gamma(self) -> int:
@@ -74,8 +96,17 @@ class Traces:
         if not names:
             raise ValueError(f"{path}: no confidences (only drafters with a confidence head "
                              f"can drive the policies)")
+        request = None
+        if all(f"{d}/request" in z.files for d in names):  # request ids made unique across names
+            request, offset = [], 0
+            for d in names:
+                r = z[f"{d}/request"].astype(np.int64)
+                request.append(r - r.min() + offset)
+                offset += int(r.max() - r.min()) + 1
+            request = np.concatenate(request)
         return cls(np.concatenate([z[f"{d}/num_accepted"] for d in names]).astype(np.int64),
-                   np.concatenate([z[f"{d}/confidences"] for d in names]).astype(np.float64))
+                   np.concatenate([z[f"{d}/confidences"] for d in names]).astype(np.float64),
+                   request)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +143,7 @@ class SimResult:
 
 
 def simulate(traces: Traces, config: SchedulerConfig, profile: SPSProfile, concurrency: int, *,
-             steps: int = 200, seed: int = 0) -> SimResult:
+             steps: int = 200, seed: int = 0, sequential: bool = False) -> SimResult:
     """Replays ``steps`` steps of ``concurrency`` requests under ``config`` (module docstring).
 
     Args:
@@ -121,6 +152,12 @@ def simulate(traces: Traces, config: SchedulerConfig, profile: SPSProfile, concu
       profile: SPS(B) of the verification step per token bucket and the drafting time.
       concurrency: C requests decoding together (C ≤ the largest bucket).
       steps: simulated steps; seed: the draws of recorded steps.
+      sequential: instead of independent draws, each simulated request walks through one
+        recorded request's steps in order, one recorded step per simulated step whatever the
+        policy did (plain or drafting), so consecutive steps are as correlated as they were
+        when recorded; it starts at a random step of its first recorded request and, at the
+        end of one, moves on to another drawn at random, as a new request without history
+        (production reads the prior for it). Needs ``traces.request``.
     Returns:
       A :class:`SimResult`.
     """
@@ -137,7 +174,11 @@ def simulate(traces: Traces, config: SchedulerConfig, profile: SPSProfile, concu
     num_acc = np.asarray(traces.num_accepted, np.int64)
     conf_all = np.asarray(traces.confidences, np.float64)
     rng = np.random.default_rng(seed)
-    draws = rng.integers(0, num_acc.size, size=(steps, c))
+    if sequential:
+        draws, new_request = _sequential_draws(traces, rng, steps, c)
+    else:
+        draws = rng.integers(0, num_acc.size, size=(steps, c))
+        new_request = np.zeros((steps, c), bool)
     cap = np.full(c, g, np.int64)
     # production: per-request confidences of past drafting steps (two kept) and a running prior
     hist = np.zeros((c, 2, g))
@@ -149,6 +190,7 @@ def simulate(traces: Traces, config: SchedulerConfig, profile: SPSProfile, concu
     for t in range(steps):
         idx = draws[t]
         live = conf_all[idx]
+        hist_n = np.where(new_request[t], 0, hist_n)
         if config.policy == "none":
             lengths, drew = np.zeros(c, np.int64), False
         elif config.policy == "production":
@@ -183,6 +225,26 @@ def simulate(traces: Traces, config: SchedulerConfig, profile: SPSProfile, concu
                      seconds=seconds, verified_drafts=verified, drafting_steps=drafting)
 
 
+def _sequential_draws(traces: Traces, rng: np.random.Generator, steps: int, c: int):
+    """``(draws, new_request)`` int / bool ``[steps, C]``: the recorded step each simulated
+    request replays at each step, and whether it is the first of a newly drawn recorded request
+    (:func:`simulate`'s ``sequential``)."""
+    start, length = traces.request_spans()
+    draws = np.zeros((steps, c), np.int64)
+    new_request = np.zeros((steps, c), bool)
+    cur = rng.integers(0, start.size, size=c)
+    pos = rng.integers(0, length[cur])  # a random step of the first request: no lockstep
+    for t in range(steps):
+        draws[t] = start[cur] + pos
+        pos += 1
+        done = pos >= length[cur]
+        if done.any() and t + 1 < steps:
+            cur[done] = rng.integers(0, start.size, size=int(done.sum()))
+            pos[done] = 0
+            new_request[t + 1] = done
+    return draws, new_request
+
+
 def _label(config: SchedulerConfig) -> str:
     if config.policy == "fixed":
         return f"fixed K={config.k}"
@@ -192,8 +254,9 @@ def _label(config: SchedulerConfig) -> str:
 
 
 def sweep(traces: Traces, configs: Sequence[SchedulerConfig], profile: SPSProfile,
-          concurrencies: Sequence[int], *, steps: int = 200, seed: int = 0) -> list[SimResult]:
+          concurrencies: Sequence[int], *, steps: int = 200, seed: int = 0,
+          sequential: bool = False) -> list[SimResult]:
     """:func:`simulate` for every (policy, concurrency); the same draws for every policy at one
     concurrency (common random numbers), so their ratios are paired."""
-    return [simulate(traces, cfg, profile, c, steps=steps, seed=seed + c)
+    return [simulate(traces, cfg, profile, c, steps=steps, seed=seed + c, sequential=sequential)
             for c in concurrencies for cfg in configs]

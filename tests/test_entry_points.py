@@ -333,3 +333,8 @@ def test_benchmark_quick(module, extra, check, tmp_path, tmp_path_factory):
     if module in ("benchmarks.row_buckets", "benchmarks.row_profiles",
                   "benchmarks.confidence_staleness"):
         assert (tmp_path / "out.png").stat().st_size > 0
+    if module == "benchmarks.confidence_staleness":  # its steps, request by request
+        from specjax.sched_sim import Traces
+        traces = Traces.load(str(tmp_path / "out_traces.npz"))
+        assert traces.gamma == json.load(open(out))["gamma"]
+        assert len(traces.request_spans()[0]) >= 2  # both temperatures' requests

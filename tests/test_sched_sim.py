@@ -145,3 +145,69 @@ def test_cache_read_once_profile_is_the_roofline_of_weights_plus_one_kv_read():
                                                            / chip.hbm_bandwidth)
         assert 1 / prof[c].steps_per_s[1] == pytest.approx(5e13 / chip.peak_bf16_flops)
         assert prof[c].draft_s == 1e-3 and prof[c].buckets == (16, 512)
+
+
+def _two_requests():
+    """Request 7: three steps accepting 0, 1, 2 drafts; request 3: two steps accepting 4, 4."""
+    return Traces(np.array([0, 1, 2, 4, 4]), np.full((5, G), 0.5),
+                  request=np.array([7, 7, 7, 3, 3]))
+
+
+def test_sequential_replay_walks_each_request_in_order():
+    """Each simulated request replays one recorded request's steps in order, then moves on to
+    another (a new request, flagged so production forgets its history): with every draft
+    verified (fixed K = γ), its tokens are the replayed steps' acceptances + 1."""
+    from specjax.sched_sim import _sequential_draws
+    tr = _two_requests()
+    start, length = tr.request_spans()
+    assert start.tolist() == [0, 3] and length.tolist() == [3, 2]
+    draws, new = _sequential_draws(tr, np.random.default_rng(0), 40, 3)
+    for t in range(1, 40):
+        for r in range(3):
+            if new[t, r]:
+                assert draws[t, r] in (0, 3) and draws[t - 1, r] in (2, 4)  # end -> a start
+            else:
+                assert draws[t, r] == draws[t - 1, r] + 1 and draws[t, r] not in (0, 3)
+    assert new.any()
+    res = simulate(tr, SchedulerConfig("fixed", k=G), _profile(lambda b: 1.0), 3, steps=40,
+                   seed=5, sequential=True)
+    draws, _ = _sequential_draws(tr, np.random.default_rng(5), 40, 3)
+    assert res.tokens == int((tr.num_accepted[draws] + 1).sum())
+    with pytest.raises(ValueError, match="request"):
+        simulate(_traces([0, 1], 0.5), SchedulerConfig("none"), _profile(lambda b: 1.0), 1,
+                 sequential=True)
+    with pytest.raises(ValueError, match="contiguous"):
+        Traces(np.array([0, 1, 2]), np.full((3, G), 0.5), request=np.array([1, 2, 1]))
+
+
+def test_traces_load_keeps_requests_apart_across_names(tmp_path):
+    np.savez(tmp_path / "t.npz", **{"T0/num_accepted": np.array([1, 2, 0]),
+                                    "T0/confidences": np.full((3, 3), 0.5),
+                                    "T0/request": np.array([0, 0, 1]),
+                                    "T1/num_accepted": np.array([3]),
+                                    "T1/confidences": np.full((1, 3), 0.5),
+                                    "T1/request": np.array([0])})
+    t = Traces.load(str(tmp_path / "t.npz"))
+    assert t.request.tolist() == [0, 0, 1, 2]  # T1's request 0 is not T0's
+    assert t.request_spans()[1].tolist() == [2, 1, 1]
+
+
+def test_scheduler_sim_repetitions_calibration_and_refusals(tmp_path):
+    """``--reps 2`` sums each cell over two draws and keeps each one's production / held ratio;
+    ``--sequential`` on traces without request ids is refused; ``calibrated`` pulls
+    over-confident confidences down to the acceptance they state."""
+    from experiments import scheduler_sim
+    one = scheduler_sim.main(["--quick", "--out", str(tmp_path / "a")])
+    two = scheduler_sim.main(["--quick", "--reps", "2", "--out", str(tmp_path / "b")])
+    steps = {(r["policy"], r["concurrency"]): r["steps"] for r in one["rows"]}
+    assert all(r["steps"] == 2 * steps[(r["policy"], r["concurrency"])] for r in two["rows"])
+    assert all(len(a["production_vs_held_reps"]) == 2
+               for a in two["answers"]["per_concurrency"].values())
+    assert "repetitions" in (tmp_path / "b" / "sim.md").read_text()
+    with pytest.raises(SystemExit):
+        scheduler_sim.main(["--quick", "--sequential", "--out", str(tmp_path / "c")])
+    # confidences 0.9 everywhere, half the steps accept nothing, half everything
+    over = Traces(np.tile([0, G], 100), np.full((200, G), 0.9))
+    cal, sts = scheduler_sim.calibrated(over)
+    assert cal.confidences[:, 0].mean() == pytest.approx(0.5, abs=0.05)  # half accept draft 1
+    assert sts.temperatures[0] > 1
