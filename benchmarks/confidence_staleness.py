@@ -56,8 +56,9 @@ DECAY_GRID = tuple(np.round(np.linspace(0.0, 1.0, 21), 2).tolist())
 
 
 def survival_sum(conf: np.ndarray) -> np.ndarray:
-    """``S = Σ_j Π_{i≤j} c_i`` of confidence vectors ``[..., γ]``."""
-    return np.cumprod(conf, axis=-1).sum(axis=-1)
+    """``S = Σ_j Π_{i≤j} c_i`` of confidence vectors ``[N, γ]``."""
+    from specjax.scheduling import prefix_survival
+    return prefix_survival(conf).sum(axis=1)
 
 
 def _pairs(vecs: list[np.ndarray], k: int):
@@ -71,8 +72,8 @@ def _pairs(vecs: list[np.ndarray], k: int):
 def _prior(vecs: list[np.ndarray]) -> np.ndarray:
     """The confidences whose survivals are the mean of all steps' (the policy's running prior,
     here in-sample)."""
-    from specjax.scheduling import confidences_from_survival
-    return confidences_from_survival(np.cumprod(np.concatenate(vecs), axis=1).mean(axis=0))
+    from specjax.scheduling import confidences_from_survival, prefix_survival
+    return confidences_from_survival(prefix_survival(np.concatenate(vecs)).mean(axis=0))
 
 
 def _mse_decay(x: np.ndarray, y_s: np.ndarray, prior: np.ndarray, k: int, decay: float) -> float:

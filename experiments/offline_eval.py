@@ -154,7 +154,7 @@ def calibration(records_cell: Mapping[str, object], out_dir: str, name: str, *,
         return {}
     conf = np.concatenate([r.confidences for r in recs])
     acc = np.concatenate([r.accepted() for r in recs])
-    logits = np.log(np.clip(conf, 1e-7, 1 - 1e-7)) - np.log1p(-np.clip(conf, 1e-7, 1 - 1e-7))
+    logits = C.logit(conf)
     fit, score = split_halves(recs, seed)
     sts = C.sequential_temperature_scaling(logits[fit], acc[fit], n_bins=n_bins)
     before = C.position_metrics(logits[score], acc[score], n_bins=n_bins)

@@ -148,8 +148,7 @@ def calibrated(traces: Traces):
     import numpy as np
 
     from specjax import calibration as C
-    conf = np.clip(np.asarray(traces.confidences, np.float64), 1e-7, 1 - 1e-7)
-    logits = np.log(conf) - np.log1p(-conf)
+    logits = C.logit(np.asarray(traces.confidences, np.float64))
     acc = np.arange(traces.gamma)[None, :] < np.asarray(traces.num_accepted)[:, None]
     sts = C.sequential_temperature_scaling(logits, acc)
     return dataclasses.replace(traces, confidences=sts.apply(logits)), sts

@@ -71,6 +71,13 @@ DEFAULT_N_BINS = 15
 DEFAULT_TEMPERATURE_GRID = np.geomspace(0.05, 20.0, 401)
 
 
+def logit(p, eps: float = 1e-7) -> np.ndarray:
+    """``log(p / (1 − p))`` of probabilities clipped to ``[eps, 1 − eps]`` (confidences as the
+    confidence-head logits the calibration functions take), in ``p``'s dtype."""
+    p = np.clip(p, eps, 1 - eps)
+    return np.log(p) - np.log1p(-p)
+
+
 def sigmoid(x) -> np.ndarray:
     """Numerically stable logistic function (``0.5·(1 + tanh(x/2))``, no overflow for large |x|)."""
     x = np.asarray(x, dtype=np.float64)

@@ -204,7 +204,8 @@ def main(argv: Optional[list] = None, stdin: TextIO = sys.stdin,
                                prepend_eos=args.prepend_eos, seed=args.seed)
         config = cli_load.engine_config(
             loaded, policy=args.policy, method=args.method, gamma=args.gamma, k=args.k,
-            threshold=args.threshold, stale_decay=args.stale_decay, slots=args.slots, max_len=args.max_len, seed=args.seed,
+            threshold=args.threshold, stale_decay=args.stale_decay, slots=args.slots,
+            max_len=args.max_len, seed=args.seed,
             sps_cache=args.sps_cache, profile_reps=args.profile_reps,
             filters=args.command == "serve", prefill_buckets=args.prefill_buckets,
             token_buckets=args.token_buckets, loop=args.loop, loop_steps=args.loop_steps,

@@ -175,7 +175,6 @@ class MTPDrafter(GraphDefHolder):
     config: MTPConfig
     target_config: ModelConfig
     graphdef: nnx.GraphDef
-
     # Queries of the last depth's block in propose: 1, since only its output at the query position
     # is read (its keys / values are computed at every window position); None runs the whole
     # block at every position, as before (benchmarks/mtp_window.py times both).
