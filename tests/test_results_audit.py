@@ -1356,3 +1356,45 @@ def test_quoted_confidence_staleness_matches_its_results():
             f"as drafted (ρ = 1) and {at(0.0)} for the prior alone (ρ = 0)") in flat
     best = " / ".join(f"{f['best']:g}" for f in fits)
     assert f"least at {best} (T = 0 / 1)" in flat
+
+
+def test_quoted_stale_decay_simulation_matches_its_results():
+    """docs/SERVING.md's 256-slot read-once counterfactual bullets on production with and without
+    the stale-confidence decay, from experiments/results/sched_sim/slots256/cache_read_once/
+    sim.json and the staleness replays beside it."""
+    import statistics
+    flat = " ".join(open(os.path.join(ROOT, "docs", "SERVING.md")).read().split())
+    base = os.path.join(ROOT, "experiments", "results", "sched_sim")
+    res = json.load(open(os.path.join(base, "slots256", "cache_read_once", "sim.json")))
+    assert res["meta"]["reps"] == 8 and "This run pools 8 repetitions of 400 steps" in flat
+    a = res["answers"]["per_concurrency"]
+    low = ["1", "2", "4", "8"]
+
+    def joined(key, cs=low):
+        return " / ".join(f"{a[c][key]:.3f}" for c in cs)
+    assert f"is {joined('production_vs_best_static')}× the better of `none`" in flat
+    assert f"it is {joined('production_held_vs_best_static')}× at C = 1-8" in flat
+    high = [c for c in a if int(c) >= 16]
+    assert min(a[c]["production_vs_best_static"] for c in high) >= 0.975
+    assert max(a[c]["production_vs_best_static"] for c in high) < 1.065  # "0.98-1.06×"
+    share = {p: [r["drafting_steps"] / r["steps"] for r in res["rows"] if r["policy"] == p
+                 and str(r["concurrency"]) in low] for p in ("production", "production ρ=1")}
+    def span(xs):
+        return f"{round(100 * min(xs))}-{round(100 * max(xs))} %"
+    assert f"It drafted on {span(share['production ρ=1'])} of the steps" in flat
+    assert f"the decayed form on {span(share['production'])}." in flat
+    reps = {c: a[c]["production_vs_held_reps"] for c in a}
+    medians = " / ".join(f"{statistics.median(reps[c]):.3f}" for c in low)
+    assert f"has medians {medians} at C = 1-8 (every repetition above 1.03)" in flat
+    assert min(min(reps[c]) for c in low) > 1.03
+    r16 = reps["16"]
+    assert (f"{statistics.median(r16):.3f} at C = 16 ({min(r16):.3f}-{max(r16):.3f}: the decay "
+            "costs about 1 % there)") in flat
+    assert all(0.9985 <= statistics.median(reps[c]) < 1.0005 for c in a if int(c) >= 32)
+    for name in ("staleness_iid", "staleness_sequential"):  # the replays of the quick head
+        s = json.load(open(os.path.join(base, name, "sim.json")))
+        meds = [statistics.median(v["production_vs_held_reps"])
+                for v in s["answers"]["per_concurrency"].values()]
+        assert 0.998 <= min(meds) and max(meds) < 1.0055, (name, meds)  # "0.998-1.005"
+        assert all(v["best_fixed_vs_none"] < 0.945
+                   for v in s["answers"]["per_concurrency"].values())  # "0.69-0.94"
